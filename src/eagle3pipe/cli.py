@@ -1,0 +1,98 @@
+"""Command line: `eagle3pipe render` and `eagle3pipe check` (no DVC involved)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eagle3pipe import check as C
+from eagle3pipe import params as P
+from eagle3pipe import render as R
+from eagle3pipe.arch import ArchError, derive
+from eagle3pipe.verifier_info import VerifierConfigError, VerifierInfo
+
+
+def _load(args) -> tuple[P.Params, Path]:
+    params = P.load(args.params)
+    vcfg = Path(args.verifier_config) if args.verifier_config else \
+        R.default_verifier_config(params.verifier.path, args.configs)
+    return params, vcfg
+
+
+def cmd_render(args) -> int:
+    params, vcfg = _load(args)
+    files = R.render_files(params.draft, params.verifier.path, vcfg, params_file=args.params,
+                           lines=P.lines_of(params))
+    written = R.write(files, args.out)
+    for rel in files:
+        state = "written" if Path(args.out) / rel in written else "unchanged"
+        print(f"{Path(args.out) / rel}: {state}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    problems: list[str] = []
+    params, vcfg = _load(args)
+    info = VerifierInfo.from_config(vcfg)
+    arch = derive(params.draft, info, params_file=args.params, lines=P.lines_of(params))
+    files = R.render_files(params.draft, params.verifier.path, vcfg, params_file=args.params,
+                           lines=P.lines_of(params))
+    print(f"params: {args.params} valid; verifier config {vcfg}")
+    if not args.no_configs:
+        found = C.check_rendered(files, args.configs)
+        print(f"derived configs in {args.configs}/: {'OK' if not found else 'STALE'}")
+        problems += found
+    for ckpt in args.checkpoint or []:
+        found = C.check_checkpoint(ckpt, params_arch=arch)
+        print(f"checkpoint {ckpt}: {'OK' if not found else f'{len(found)} problem(s)'}")
+        problems += found
+    if args.reference:
+        ref = json.loads(Path(args.reference).read_text())
+        rows, found = C.compare_reference(json.loads(files["vllm/config.json"]), ref)
+        print(f"reference {args.reference}:")
+        for r in rows:
+            mark = "  " if r["same"] else ("!!" if r["vllm_reads"] else " ~")
+            who = "vLLM reads" if r["vllm_reads"] else "ignored   "
+            print(f"  {mark} {who} {r['field']:<48} ours={r['ours']!r:<22} "
+                  f"reference={r['reference']!r}")
+        problems += [f"{args.reference}: {p}" for p in found]
+    if not args.no_scan:
+        found = C.scan_constants(args.root, params, json.loads(vcfg.read_text()))
+        print(f"hand-written architecture constants: {'none contradict params.yaml' if not found else len(found)}")
+        problems += found
+    if problems:
+        print(f"\n{len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    print("check: OK")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3pipe", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--params", default="params.yaml")
+    common.add_argument("--verifier-config", help="verifier config.json (default: verifier.path,"
+                        " artifacts/verifier, then configs/verifier_config.json)")
+    common.add_argument("--configs", default="configs", help="the derived configs dir")
+    r = sub.add_parser("render", parents=[common], help="render derived configs")
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("check", parents=[common], help="find drift between params and files")
+    c.add_argument("--checkpoint", action="append", help="safetensors draft dir (repeatable)")
+    c.add_argument("--reference", help="a published flat EAGLE-3 config.json to compare with")
+    c.add_argument("--root", default=".", help="repository to scan for hand-written constants")
+    c.add_argument("--no-scan", action="store_true")
+    c.add_argument("--no-configs", action="store_true", help="skip the derived-configs check")
+    args = ap.parse_args(argv)
+    try:
+        return cmd_render(args) if args.cmd == "render" else cmd_check(args)
+    except (P.ParamsError, ArchError, VerifierConfigError, FileNotFoundError) as e:
+        print(f"eagle3pipe {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

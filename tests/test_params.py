@@ -1,0 +1,226 @@
+"""params.yaml schema: every malformed input names file, line and key, and writes nothing."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from eagle3pipe import cli
+from eagle3pipe import params as P
+
+from conftest import ROOT
+
+DEFAULT = (ROOT / "params.yaml").read_text()
+KIMI_VERIFIER = ROOT / "examples/kimi-k2.5/verifier/config.json"
+
+
+def line_no(text: str, needle: str) -> int:
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.startswith(needle):
+            return i
+    raise AssertionError(f"{needle!r} not in params text")
+
+
+def replace_line(text: str, needle: str, new: str) -> tuple[str, int]:
+    n = line_no(text, needle)
+    lines = text.splitlines()
+    lines[n - 1] = new
+    return "\n".join(lines) + "\n", n
+
+
+def section_line(text: str, section: str) -> int:
+    return line_no(text, f"{section}:")
+
+
+def _case(needle, new, key, msg=None):
+    return (needle, new, key, msg)
+
+
+# (line to find, replacement line, key the error must name, regex the message must match)
+CASES = [
+    _case("  head_dim: 128", "  head_dim: 127", "draft.head_dim", "even"),
+    _case("  head_dim: 128", "  head_dim: -128", "draft.head_dim", ">="),
+    _case("  head_dim: 128", "  head_dim: '128'", "draft.head_dim", "integer"),
+    _case("  head_dim: 128", "  head_dim: 128.0", "draft.head_dim", "integer"),
+    _case("  head_dim: 128", "  head_dim: null", "draft.head_dim", "null"),
+    _case("  head_dim: 128", "  head_dmi: 128", "draft.head_dmi", "unknown key"),
+    _case("  num_attention_heads: 4", "  num_attention_heads: 0", "draft.num_attention_heads",
+          ">="),
+    _case("  num_key_value_heads: 2", "  num_key_value_heads: 3", "draft.num_key_value_heads",
+          "divide"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 3, 3]", "draft.aux_layer_ids",
+          "exactly 3"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 2]", "draft.aux_layer_ids", "duplicated"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: [3, 1, 2]", "draft.aux_layer_ids", "ascending"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2]", "draft.aux_layer_ids", "exactly 3"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: [1, two, 3]", "draft.aux_layer_ids[1]",
+          "integer"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: 3", "draft.aux_layer_ids", "list"),
+    _case("  norm_before_residual:", "  norm_before_residual: yes please",
+          "draft.norm_before_residual", "true or false"),
+    _case("  draft_vocab_size:", "  draft_vocab_size: -5", "draft.draft_vocab_size", ">="),
+    _case("  rms_norm_eps: 1.0e-06", "  rms_norm_eps: 1e-6x", "draft.rms_norm_eps", "number"),
+    _case("  dtype: bfloat16", "  dtype: bf16", "draft.dtype", "not one of"),
+    _case("  hidden_act: silu", "  hidden_act: gelu", "draft.hidden_act", "not one of"),
+    _case("  hash_mode: headers", "  hash_mode: sometimes", "verifier.hash_mode", "not one of"),
+    _case("  on_bad_input: skip", "  on_bad_input: ignore", "dataset.on_bad_input", "not one of"),
+    _case("  eval_fraction: 0.1", "  eval_fraction: 1.5", "dataset.eval_fraction", r"\[0, 1\)"),
+    _case("  batch_tokens: 2048", "  batch_tokens: lots", "train.batch_tokens", "integer"),
+    _case("  device: cpu", "  device: tpu", "train.device", "not one of"),
+    _case("  min_acceptance_length: 2.5", "  min_acceptance_length: 0.5",
+          "smoke.min_acceptance_length", ">="),
+    _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",
+          "smoke.ngram_prompt_lookup_min", "larger"),
+    _case("    threads: 2", "    threads: 0", "verifier.embedded.threads", ">="),
+    _case("    seed: 0", "    seed: -1", "verifier.embedded.seed", ">="),
+]
+
+
+def run_render(tmp_path: Path, text: str) -> tuple[int, str, Path]:
+    pfile = tmp_path / "params.yaml"
+    pfile.write_text(text)
+    out = tmp_path / "out"
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["render", "--params", str(pfile), "--out", str(out),
+                       "--verifier-config", str(KIMI_VERIFIER if "kimi" in text else
+                                                tmp_path / "verifier.json")])
+    return rc, err.getvalue(), out
+
+
+@pytest.fixture
+def verifier_json(tmp_path):
+    # a verifier like the embedded default: H=256, 4 layers, vocab 4096
+    (tmp_path / "verifier.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4,'
+        ' "vocab_size": 4096, "num_attention_heads": 4, "bos_token_id": 0, "eos_token_id": 3}')
+
+
+def test_default_params_render(tmp_path, verifier_json):
+    rc, err, out = run_render(tmp_path, DEFAULT)
+    assert rc == 0, err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.json")) == sorted(
+        ["capture.json", "draft_config.json", "speculators/config.json", "vllm/config.json",
+         "verifier_config.json"])
+
+
+@pytest.mark.parametrize("needle,new,key,msg", CASES, ids=[f"{c[2]}:{c[1].strip()}" for c in CASES])
+def test_malformed_value(tmp_path, verifier_json, needle, new, key, msg):
+    text, line = replace_line(DEFAULT, needle, new)
+    rc, err, out = run_render(tmp_path, text)
+    assert rc == 2
+    assert f"params.yaml:{line}: {key}:" in err, err
+    assert re.search(msg, err), err
+    assert not out.exists(), "a failed render must write nothing"
+
+
+def test_missing_key_names_section_line(tmp_path, verifier_json):
+    n = line_no(DEFAULT, "  intermediate_size: 688")
+    lines = DEFAULT.splitlines()
+    del lines[n - 1]
+    rc, err, out = run_render(tmp_path, "\n".join(lines) + "\n")
+    assert rc == 2 and "draft.intermediate_size: missing required key" in err, err
+    assert f"params.yaml:{section_line(DEFAULT, 'draft')}:" in err
+    assert not out.exists()
+
+
+def test_missing_section(tmp_path, verifier_json):
+    start = DEFAULT.index("\nsmoke:")
+    rc, err, out = run_render(tmp_path, DEFAULT[:start] + "\n")
+    assert rc == 2 and "smoke: missing required key" in err, err
+    assert not out.exists()
+
+
+def test_unknown_top_level_section(tmp_path, verifier_json):
+    text = DEFAULT + "extras:\n  foo: 1\n"
+    rc, err, out = run_render(tmp_path, text)
+    assert rc == 2 and f"params.yaml:{len(DEFAULT.splitlines()) + 1}: extras: unknown key" in err
+    assert not out.exists()
+
+
+def test_yaml_syntax_error(tmp_path, verifier_json):
+    text, line = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: [128")
+    rc, err, out = run_render(tmp_path, text)
+    assert rc == 2 and "YAML syntax error" in err and re.search(r"params\.yaml:\d+:", err), err
+    assert not out.exists()
+
+
+def test_empty_file(tmp_path, verifier_json):
+    rc, err, out = run_render(tmp_path, "\n  \n")
+    assert rc == 2 and "params.yaml:1: (file): is empty" in err
+    assert not out.exists()
+
+
+def test_section_not_mapping(tmp_path, verifier_json):
+    text, line = replace_line(DEFAULT, "extract:", "extract: fast")
+    text = text.replace("  dtype: bfloat16\n  batch_size: 8\n  threads: 2\n", "", 1)
+    rc, err, out = run_render(tmp_path, text)
+    assert rc == 2 and f"params.yaml:{line}: extract: expected a mapping" in err, err
+
+
+def test_all_problems_listed_at_once(tmp_path, verifier_json):
+    text, _ = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: 127")
+    text, _ = replace_line(text, "  device: cpu", "  device: tpu")
+    rc, err, _ = run_render(tmp_path, text)
+    assert "draft.head_dim" in err and "train.device" in err and "2 problem(s)" in err
+
+
+# ---- cross-checks against the verifier config
+
+
+@pytest.mark.parametrize("needle,new,key,msg", [
+    ("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 4]", "draft.aux_layer_ids",
+     r"outside the verifier's layers 0\.\.3"),
+    ("  draft_vocab_size:", "  draft_vocab_size: 5000", "draft.draft_vocab_size",
+     "exceeds the verifier's vocab_size 4096"),
+    ("  num_attention_heads: 4", "  num_attention_heads: 6", "draft.num_attention_heads",
+     "hidden % heads"),
+    ("  dtype: bfloat16", "  dtype: bfloat16\n  hidden_size: 512", "draft.hidden_size",
+     "differs from the verifier's hidden_size 256"),
+])
+def test_verifier_cross_checks(tmp_path, verifier_json, needle, new, key, msg):
+    text, line = replace_line(DEFAULT, needle, new)
+    if key == "draft.num_attention_heads":  # keep kv heads a divisor so only H % heads fails
+        text, _ = replace_line(text, "  num_key_value_heads: 2", "  num_key_value_heads: 3")
+    if key == "draft.hidden_size":
+        line += 1
+    rc, err, out = run_render(tmp_path, text)
+    assert rc == 2 and f"params.yaml:{line}: {key}:" in err and re.search(msg, err), err
+    assert not out.exists()
+
+
+def test_verifier_config_missing_fields(tmp_path):
+    (tmp_path / "verifier.json").write_text('{"hidden_size": 256}')
+    rc, err, out = run_render(tmp_path, DEFAULT)
+    assert rc == 2 and "verifier.json" in err and "num_hidden_layers" in err
+    assert not out.exists()
+
+
+# ---- the stage view
+
+
+def test_stage_view_refuses_undeclared_keys():
+    view = P.for_stage("vocab", ROOT / "params.yaml", ROOT / "dvc.yaml")
+    assert view.draft.draft_vocab_size == 1024
+    with pytest.raises(P.UndeclaredParamError, match=r"draft\.head_dim.*stages\.vocab\.params"):
+        view.draft.head_dim
+    with pytest.raises(P.UndeclaredParamError):
+        view.train.seed
+
+
+def test_every_leaf_key_is_declared_by_some_stage():
+    from ruamel.yaml import YAML
+    stages = YAML(typ="safe").load((ROOT / "dvc.yaml").read_text())["stages"]
+    declared = set().union(*(P.declared_params(s, ROOT / "dvc.yaml") for s in stages))
+    params = P.load(ROOT / "params.yaml")
+    for key in P.leaf_keys():
+        if key.startswith("verifier.embedded.") and params.verifier.embedded is None:
+            continue
+        if key == "draft.hidden_size":  # optional: read only to refuse a mismatch
+            assert "draft" in declared
+            continue
+        assert any(key == d or key.startswith(d + ".") for d in declared), \
+            f"{key} is in params.yaml but no stage in dvc.yaml declares it"

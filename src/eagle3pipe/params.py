@@ -468,7 +468,15 @@ def declared_params(stage: str, dvc_yaml: str | os.PathLike = "dvc.yaml") -> fro
 
 def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
               dvc_yaml: str | os.PathLike = "dvc.yaml") -> StageView:
-    """The params a DVC stage may read: validated, and limited to its declared keys."""
+    """The params a DVC stage may read: validated, and limited to its declared keys.
+
+    Every stage calls this first, so it is also where a stage's execution is recorded: with
+    EAGLE3PIPE_RUN_LOG set, the stage name is appended to that file (tests use it to tell the
+    stages DVC really executed from those it skipped or restored from its run-cache)."""
+    log = os.environ.get("EAGLE3PIPE_RUN_LOG")
+    if log:
+        with open(log, "a") as fh:
+            fh.write(stage + "\n")
     return StageView(load(params_file), stage, declared_params(stage, dvc_yaml))
 
 

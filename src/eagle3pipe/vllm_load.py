@@ -1,0 +1,286 @@
+"""Engine-less load check of an exported EAGLE-3 draft, with vLLM's own code.
+
+vLLM's EAGLE-3 loader (llama_eagle3.py `Eagle3LlamaForCausalLM.load_weights`) returns no list of
+loaded weights, so vLLM's strict "weights not initialized" check is off for these drafts: a
+missing tensor (fc.weight, say) stays uninitialised memory, and a tensor larger than the config
+says (weights built with head_dim 64 under a config saying 32) is silently narrowed to fit. The
+engine starts, speculates garbage, and nothing fails.
+
+This module builds the exact VllmConfig an engine would build, instantiates the draft model class
+vLLM resolves for the export (on CPU, no KV cache, no verifier weights), fills every parameter
+with NaN (integer ones with a sentinel), runs vLLM's weight loader on the export's safetensors,
+and reports, naming tensors:
+  - every parameter still NaN afterwards (the embedding is excepted when vLLM shares the
+    verifier's, which it does for a draft without embed_tokens of the same width);
+  - every checkpoint tensor whose shape differs from the slot vLLM loads it into (a trim);
+  - every checkpoint tensor vLLM never handed to a weight loader (t2d excepted: vLLM derives
+    nothing from it);
+  - any exception vLLM's config, model or loader code raised.
+Import vllm only through this module's functions: callers set the environment first.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# tensors a draft checkpoint may carry that vLLM's EAGLE-3 loader deliberately skips
+IGNORED_BY_VLLM = ("t2d",)
+
+
+@dataclass
+class LoadReport:
+    draft_dir: str
+    architecture: str = ""
+    problems: list[str] = field(default_factory=list)
+    parameters: dict[str, list[int]] = field(default_factory=dict)  # vLLM param -> shape
+    loaded_tensors: list[str] = field(default_factory=list)  # checkpoint tensors vLLM consumed
+    shared_embedding: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def engine_kwargs(model_dir: str | Path, *, speculative_config: dict | None, kv_cache_gib: float,
+                  seed: int, max_model_len: int | None) -> dict[str, Any]:
+    """The engine arguments the smoke engines and the engine-less check share (device-agnostic:
+    kv_cache_memory_bytes bounds the KV cache on CPU and GPU alike)."""
+    kw: dict[str, Any] = dict(model=str(model_dir), speculative_config=speculative_config,
+                              seed=seed, enforce_eager=True, disable_log_stats=False,
+                              kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
+    if max_model_len is not None:
+        kw["max_model_len"] = int(max_model_len)
+    return kw
+
+
+def build_vllm_config(model_dir: str | Path, speculative_config: dict, *, kv_cache_gib: float = 1,
+                      seed: int = 0, max_model_len: int | None = None):
+    """The VllmConfig `LLM(...)` would build for these arguments (vLLM's EngineArgs)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = engine_kwargs(model_dir, speculative_config=speculative_config,
+                       kv_cache_gib=kv_cache_gib, seed=seed, max_model_len=max_model_len)
+    return EngineArgs(**kw).create_engine_config()
+
+
+@contextlib.contextmanager
+def single_process_group(vllm_config):
+    """vLLM's model classes need an initialized (world size 1) distributed env and model-parallel
+    groups, and a current VllmConfig; this sets them up with gloo and tears down what it made."""
+    import torch.distributed
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.utils.network_utils import (get_distributed_init_method, get_loopback_ip,
+                                          get_open_port)
+
+    owned = False
+    with set_current_vllm_config(vllm_config):
+        if not torch.distributed.is_initialized():
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=get_distributed_init_method(get_loopback_ip(),
+                                                                    get_open_port()))
+            owned = True
+        if not ps.model_parallel_is_initialized():
+            ps.ensure_model_parallel_initialized(1, 1)
+            owned = True
+        try:
+            yield
+        finally:
+            if owned:
+                ps.destroy_model_parallel()
+                ps.destroy_distributed_environment()
+
+
+def _fill_sentinel(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data.fill_(float("nan"))
+            elif p.dtype != torch.bool:
+                p.data.fill_(torch.iinfo(p.dtype).min)
+
+
+def _unfilled(p) -> int:
+    import torch
+
+    if p.is_floating_point():
+        return int(torch.isnan(p.data).sum())
+    if p.dtype == torch.bool:
+        return 0
+    return int((p.data == torch.iinfo(p.dtype).min).sum())
+
+
+def _slot_shape(module, param, shard_id) -> tuple[int, ...] | None:
+    """Shape of the part of a (possibly fused) vLLM parameter one checkpoint tensor fills."""
+    shape = tuple(param.shape)
+    if shard_id is None:
+        return shape
+    sizes = getattr(module, "output_sizes", None)
+    out_dim = getattr(param, "output_dim", 0)
+    if not sizes or out_dim is None:
+        return None
+    if isinstance(shard_id, str):
+        idx = {"q": 0, "k": 1, "v": 2}.get(shard_id)
+        span = [idx] if idx is not None else []
+    elif isinstance(shard_id, tuple):
+        span = list(shard_id)
+    else:
+        span = [int(shard_id)]
+    if not span or max(span) >= len(sizes):
+        return None
+    s = list(shape)
+    s[out_dim] = sum(sizes[i] for i in span)
+    return tuple(s)
+
+
+def check_draft(model_dir: str | Path, draft_dir: str | Path, *, num_speculative_tokens: int,
+                kv_cache_gib: float = 1, seed: int = 0,
+                max_model_len: int | None = None) -> LoadReport:
+    """Loads `draft_dir` into vLLM's EAGLE-3 draft class engine-less and reports what vLLM would
+    silently get wrong. `model_dir` is the verifier checkpoint (its config is read, not its
+    weights)."""
+    import torch
+
+    t0 = time.perf_counter()
+    draft_dir = Path(draft_dir)
+    report = LoadReport(draft_dir=str(draft_dir))
+    spec = {"method": "eagle3", "model": str(draft_dir),
+            "num_speculative_tokens": int(num_speculative_tokens)}
+    stage = "building vLLM's config"
+    try:
+        vc = build_vllm_config(model_dir, spec, kv_cache_gib=kv_cache_gib, seed=seed,
+                               max_model_len=max_model_len)
+        dmc = vc.speculative_config.draft_model_config
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.utils import get_draft_load_config, initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with single_process_group(vc):
+            stage = "instantiating vLLM's draft model class"
+            with set_default_torch_dtype(dmc.dtype), torch.device("cpu"):
+                model = initialize_model(vllm_config=vc, model_config=dmc)
+            report.architecture = type(model).__name__
+            named = dict(model.named_parameters())
+            report.parameters = {n: list(p.shape) for n, p in named.items()}
+            owner = {id(p): mod for mod in model.modules()
+                     for p in mod.parameters(recurse=False)}
+            _fill_sentinel(model)
+
+            # record what each parameter's weight loader receives (outermost call only)
+            received: dict[str, list[tuple[tuple[int, ...], Any, int]]] = {}
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            def wrap(pname, inner):
+                def loader(p, loaded_weight, *args, **kwargs):
+                    shard = args[0] if args else kwargs.get("loaded_shard_id",
+                                                            kwargs.get("shard_id"))
+                    received.setdefault(pname, []).append(
+                        (tuple(loaded_weight.shape), shard,
+                         _key(loaded_weight)))
+                    return inner(p, loaded_weight, *args, **kwargs)
+                return loader
+
+            for pname, p in named.items():
+                p.weight_loader = wrap(pname, getattr(p, "weight_loader", default_weight_loader))
+
+            stage = "running vLLM's weight loader"
+            loader = get_model_loader(get_draft_load_config(vc))
+            sources: dict[Any, str] = {}
+            keep = []
+
+            def weights():
+                for name, t in loader.get_all_weights(dmc, model):
+                    sources[_key(t)] = name
+                    keep.append(t)
+                    yield name, t
+
+            model.load_weights(weights())
+    except Exception as e:  # noqa: BLE001 - reported with vLLM's own message
+        tb = traceback.format_exception_only(type(e), e)[-1].strip()
+        report.problems.append(f"{draft_dir}: vLLM failed while {stage}: {tb}")
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    # -- what was handed to which slot
+    consumed: set[str] = set()
+    for pname, calls in sorted(received.items()):
+        p = named[pname]
+        for shape, shard, key in calls:
+            src = sources.get(key)  # shards vLLM splits off alias the same storage
+            if src is not None:
+                consumed.add(src)
+            slot = _slot_shape(owner.get(id(p)), p, shard)
+            if slot is not None and shape != slot:
+                where = f" (shard {shard!r})" if shard is not None else ""
+                report.problems.append(
+                    f"{draft_dir}: tensor {src or '?'} has shape {list(shape)} but vLLM's "
+                    f"{pname}{where} holds {list(slot)}: vLLM would silently "
+                    f"{'trim' if _numel(shape) > _numel(slot) else 'misplace'} it "
+                    "(weights built for another head_dim/heads/sizes than config.json says)")
+    report.loaded_tensors = sorted(consumed)
+
+    # -- parameters left unfilled
+    hidden = vc.model_config.get_hidden_size()
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    own_embed = bool(getattr(model, "has_own_embed_tokens", False))
+    report.shared_embedding = (embed is not None and not own_embed
+                               and embed.weight.shape[-1] == hidden)
+    for pname, p in named.items():
+        n = _unfilled(p)
+        if not n:
+            continue
+        if report.shared_embedding and p is getattr(embed, "weight", None):
+            continue  # vLLM replaces it with the verifier's embedding after loading
+        hint = ""
+        if pname.endswith("lm_head.weight"):
+            hint = " (vLLM would substitute the verifier's lm_head, of another vocab size)"
+        elif pname.endswith("embed_tokens.weight"):
+            hint = f" (not shared: verifier hidden {hidden} != draft width {p.shape[-1]})"
+        report.problems.append(
+            f"{draft_dir}: vLLM's {report.architecture}.{pname} {list(p.shape)}: {n} of "
+            f"{p.numel()} values never loaded ({_expected_source(pname)} missing from the "
+            f"checkpoint?); vLLM would run with uninitialised memory{hint}")
+
+    # -- checkpoint tensors vLLM never loaded
+    for name in sorted(set(sources.values()) - consumed):
+        if name in IGNORED_BY_VLLM:
+            continue
+        report.problems.append(f"{draft_dir}: tensor {name} was never loaded by vLLM "
+                               "(silently ignored: a misnamed or extra tensor)")
+    report.seconds = time.perf_counter() - t0
+    del model, keep
+    return report
+
+
+def _key(t) -> tuple[int, tuple[int, ...]]:
+    return (t.data_ptr(), tuple(t.shape))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _expected_source(pname: str) -> str:
+    """The checkpoint tensor name(s) (flat layout) that fill a vLLM parameter."""
+    n = pname.removeprefix("model.").replace("layers.0.", "midlayer.")
+    n = n.replace("qkv_proj", "{q,k,v}_proj").replace("gate_up_proj", "{gate,up}_proj")
+    return "d2t" if n == "draft_id_to_target_id" else n
+
+
+def cleanup() -> None:
+    """Tears down vLLM's distributed state and frees memory between engines (what vLLM's own
+    tests call between LLM instances)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()

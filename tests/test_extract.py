@@ -1,0 +1,316 @@
+"""extract: vLLM capture semantics, padding invariance, speculators' on-disk layout, byte
+determinism, output validation, clear errors, and the stage script end to end."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3pipe import extract
+from eagle3pipe.extract import ExtractError
+
+ROOT = Path(__file__).resolve().parents[1]
+AUX = [1, 2, 3]
+H, LAYERS = 64, 4  # conftest.MICRO_EMBEDDED
+
+CONVERSATIONS = [
+    ("def add(a, b):", "    return a + b"),
+    ("import os\nprint(os.getcwd())", "import sys\nprint(sys.argv[0])\nprint(sys.path)"),
+    ("class Point:", "    def __init__(self, x, y):\n        self.x = x\n        self.y = y"),
+    ("for i in range(10):", "    if i % 2:\n        continue\n    print(i)"),
+    ("x = [1, 2, 3]", "y = [v * v for v in x]"),
+    ("with open(path) as fh:", "    data = fh.read()\n    lines = data.splitlines()"),
+    ("try:\n    run()", "except Exception as e:\n    log(e)\n    raise"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+def _rows(verifier: Path, convs) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(verifier)
+    rows = []
+    for k, (user, assistant) in enumerate(convs):
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        rows.append({"id": f"s{k}", "input_ids": list(enc["input_ids"]),
+                     "loss_mask": list(enc["assistant_masks"]), "messages": messages})
+    return rows
+
+
+def _write_inputs(root: Path, verifier: Path, capture: dict | None = None) -> tuple[Path, Path]:
+    ds = root / "dataset"
+    ds.mkdir(parents=True)
+    rows = _rows(verifier, CONVERSATIONS)
+    for name, part in (("train", rows[:5]), ("eval", rows[5:])):
+        (ds / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    cap = root / "capture.json"
+    cap.write_text(json.dumps(capture or {"aux_layer_ids": AUX, "verifier_num_layers": LAYERS,
+                                          "hidden_size": H, "final": "pre_norm"}))
+    return ds, cap
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def model(micro_verifier):
+    return extract.load_verifier(micro_verifier)
+
+
+@pytest.fixture(scope="module")
+def extracted(micro_verifier, tmp_path_factory):
+    root = tmp_path_factory.mktemp("extract")
+    ds, cap = _write_inputs(root, micro_verifier)
+    metrics = extract.run(micro_verifier, ds, cap, root / "hidden", root / "metrics.json",
+                          dtype="bfloat16", batch_size=2, threads=2, progress=False)
+    return root, ds, cap, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantics
+
+
+def test_capture_matches_layer_input_hooks_and_pre_norm_final(model, micro_verifier):
+    ids = torch.tensor([_rows(micro_verifier, CONVERSATIONS[1:2])[0]["input_ids"]])
+    got = extract.capture(model, ids, torch.ones_like(ids), AUX)
+    assert got.shape == (1, ids.shape[1], 4, H) and got.dtype == torch.float32
+
+    # Independent witnesses: a pre-hook on EVERY decoder layer (its input) and on the final norm.
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [layer.register_forward_pre_hook(
+        lambda m, a, kw, i=i: inputs.__setitem__(i, (a[0] if a else kw["hidden_states"]).clone()),
+        with_kwargs=True) for i, layer in enumerate(model.model.layers)]
+    hooks.append(model.model.norm.register_forward_pre_hook(
+        lambda m, a: inputs.__setitem__("norm", a[0].clone())))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    hs = out.hidden_states
+    assert len(hs) == LAYERS + 1
+    for k, i in enumerate(AUX):
+        torch.testing.assert_close(got[0, :, k], inputs[i][0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[0, :, k], hs[i][0], rtol=0, atol=1e-5)
+        # distinct layers really are distinct (a wrong index would not pass by accident)
+        assert not torch.allclose(got[0, :, k], hs[i + 1][0] if i < LAYERS else hs[0][0])
+    final = got[0, :, -1]
+    torch.testing.assert_close(final, inputs["norm"][0], rtol=0, atol=1e-5)
+    # transformers' last hidden_states entry is AFTER the final norm: ours is before it
+    assert not torch.allclose(final, hs[-1][0], atol=1e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.norm(final), hs[-1][0], rtol=0, atol=1e-5)
+
+
+def test_capture_matches_vllm_style_residual_loop(model):
+    """Re-runs the verifier as vLLM's LlamaModel.forward does (vllm/model_executor/models/
+    llama.py): record the residual stream before layer `idx` for idx in aux ids (vLLM records
+    `hidden_states + residual` after layer idx-1, i.e. the same stream), then the final norm."""
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 42, 11]])
+    base = model.model
+    with torch.no_grad():
+        h = base.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        pe = base.rotary_emb(h, position_ids=pos)
+        aux = {}
+        for idx, layer in enumerate(base.layers):
+            aux[idx] = h
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        aux[LAYERS] = h  # vLLM's id L: the last layer's output, before `self.norm`
+    got = extract.capture(model, ids, None, [0, 2, LAYERS])
+    torch.testing.assert_close(got[0, :, 0], aux[0][0], rtol=0, atol=1e-5)  # id 0 = embeddings
+    torch.testing.assert_close(got[0, :, 1], aux[2][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[0, :, 2], aux[LAYERS][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[0, :, 3], aux[LAYERS][0], rtol=0, atol=1e-5)  # final slot
+
+
+def test_vllm_source_defines_aux_as_residual_entering_layer():
+    """Pins the vLLM definition our semantics copy; a vLLM upgrade that changes it fails here."""
+    import vllm
+
+    models = Path(vllm.__file__).parent / "model_executor" / "models"
+    llama = re.sub(r"\s+", " ", (models / "llama.py").read_text())
+    iface = re.sub(r"\s+", " ", (models / "interfaces.py").read_text())
+    loop = llama.index("hidden_states, residual = layer( positions, hidden_states, residual")
+    after = llama.index("self._maybe_add_hidden_state( aux_hidden_states, idx + 1, "
+                        "hidden_states, residual )")
+    norm = llama.index("hidden_states, _ = self.norm(hidden_states, residual)")
+    assert loop < after < norm
+    assert "value = hidden_states + residual if residual is not None else hidden_states" in iface
+
+
+def test_padding_invariance(model):
+    short = torch.tensor([[9, 8, 7, 6, 5]])
+    long = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    alone_s = extract.capture(model, short, torch.ones_like(short), AUX)
+    alone_l = extract.capture(model, long, torch.ones_like(long), AUX)
+    batch = torch.zeros(2, 13, dtype=torch.long)
+    mask = torch.zeros(2, 13, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, :5], mask[1, :5] = short[0], 1
+    both = extract.capture(model, batch, mask, AUX)
+    torch.testing.assert_close(both[1, :5], alone_s[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[0], alone_l[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# On-disk layout
+
+
+def test_speculators_arrow_dataset_reads_output(extracted, model):
+    from speculators.train.data import ArrowDataset
+
+    root, ds_dir, _, metrics = extracted
+    rows = [json.loads(line) for line in (ds_dir / "train.jsonl").read_text().splitlines()]
+    data = ArrowDataset(max_len=512, datapath=root / "hidden" / "train", on_missing="raise")
+    assert len(data) == len(rows) == 5
+    assert data.approx_lengths == [len(r["input_ids"]) for r in rows]
+    for i in (0, 3):
+        item = data[i]
+        T = len(rows[i]["input_ids"])
+        assert item["input_ids"].tolist() == rows[i]["input_ids"]
+        assert item["loss_mask"].tolist() == rows[i]["loss_mask"]
+        assert item["hidden_states"].shape == (T, 3 * H)
+        assert item["verifier_last_hidden_states"].shape == (T, H)
+        assert item["hidden_states"].dtype == torch.bfloat16
+        ids = torch.tensor([rows[i]["input_ids"]])
+        ref = extract.capture(model, ids, torch.ones_like(ids), AUX)[0].to(torch.bfloat16)
+        torch.testing.assert_close(item["hidden_states"], ref[:, :3].flatten(1),
+                                   rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(item["verifier_last_hidden_states"], ref[:, 3],
+                                   rtol=1e-2, atol=1e-2)
+    ev = ArrowDataset(max_len=512, datapath=root / "hidden" / "eval", on_missing="raise")
+    assert len(ev) == 2 and ev[1]["hidden_states"].shape[1] == 3 * H
+    raw = load_file(root / "hidden" / "train" / "hidden_states" / "hs_0.safetensors")
+    assert raw["token_ids"].dtype == torch.int64 and raw["hidden_states"].shape[1:] == (4, H)
+    assert metrics["samples"] == 7
+    assert metrics["tokens"] == sum(len(r["input_ids"]) for r in rows) + \
+        metrics["splits"]["eval"]["tokens"]
+    assert metrics["min_bytes_per_token"] == 4 * H * 2
+    assert metrics["min_bytes_per_token"] < metrics["bytes_per_token"]
+    assert metrics["tokens_per_second"] > 0
+    assert json.loads((root / "metrics.json").read_text())["tokens"] == metrics["tokens"]
+    manifest = json.loads((root / "hidden" / "manifest.json").read_text())
+    assert manifest["aux_layer_ids"] == AUX and manifest["final"] == "pre_norm"
+
+
+def test_byte_identical_on_rerun(extracted, micro_verifier, tmp_path):
+    root, ds, cap, _ = extracted
+    extract.run(micro_verifier, ds, cap, tmp_path / "again", None, dtype="bfloat16",
+                batch_size=2, threads=2, progress=False)
+    first, second = _files(root / "hidden"), _files(tmp_path / "again")
+    assert sorted(first) == sorted(second)
+    assert "train/state.json" in first and "eval/hidden_states/hs_1.safetensors" in first
+    assert [k for k in first if first[k] != second[k]] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and errors
+
+
+def test_validation_rejects_nan_and_wrong_tokens(extracted, tmp_path):
+    root, ds_dir, _, _ = extracted
+    hs_file = root / "hidden" / "train" / "hidden_states" / "hs_2.safetensors"
+    data = load_file(hs_file)
+    tokens = data["token_ids"].tolist()
+    extract.validate_sample(data, tokens, 4, H, torch.bfloat16)  # the real output passes
+    bad = dict(data, hidden_states=data["hidden_states"].clone())
+    bad["hidden_states"][1, 2, 3] = float("nan")
+    with pytest.raises(ExtractError, match="non-finite"):
+        extract.validate_sample(bad, tokens, 4, H, torch.bfloat16)
+    with pytest.raises(ExtractError, match="Token ids don't match"):
+        extract.validate_sample(data, tokens[::-1], 4, H, torch.bfloat16)
+    with pytest.raises(ExtractError, match=r"expected torch.bfloat16 \[\d+, 4, 64\]"):
+        extract.validate_sample(dict(data, hidden_states=data["hidden_states"][:, :3]),
+                                tokens, 4, H, torch.bfloat16)
+    # the split validator reads the files from disk: a corrupted copy is rejected
+    copy = tmp_path / "train"
+    shutil.copytree(root / "hidden" / "train", copy)
+    save_file(bad, str(copy / "hidden_states" / "hs_2.safetensors"))
+    samples = extract.read_split(ds_dir / "train.jsonl", 512, None)
+    with pytest.raises(ExtractError, match="hs_2.safetensors"):
+        extract.validate_split(copy, samples, 4, H, torch.bfloat16)
+
+
+def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_path):
+    ds, _ = _write_inputs(tmp_path, micro_verifier)
+    cap = tmp_path / "stale.json"
+    cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 4,
+                               "hidden_size": 256, "final": "pre_norm"}))
+    with pytest.raises(ExtractError) as e:
+        extract.run(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
+                    batch_size=2, threads=2, progress=False)
+    assert "hidden_size=256" in str(e.value) and "hidden_size=64" in str(e.value)
+    assert "dvc repro configs" in str(e.value) and str(cap) in str(e.value)
+    cap.write_text(json.dumps({"aux_layer_ids": [1, 2, 7], "verifier_num_layers": 4,
+                               "hidden_size": 64, "final": "pre_norm"}))
+    with pytest.raises(ExtractError, match=r"out of range \[0, 4\]"):
+        extract.read_capture(cap)
+    cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 6,
+                               "hidden_size": 64, "final": "pre_norm"}))
+    with pytest.raises(ExtractError, match="num_hidden_layers=4"):
+        extract.run(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
+                    batch_size=2, threads=2, progress=False)
+    assert not (tmp_path / "out").exists()
+    lines = (ds / "eval.jsonl").read_text().splitlines()
+    row = json.loads(lines[1])
+    row["loss_mask"] = row["loss_mask"][:-1]
+    (ds / "eval.jsonl").write_text(lines[0] + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ExtractError, match=r"eval.jsonl:2: loss_mask"):
+        extract.read_split(ds / "eval.jsonl", 512, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage script
+
+
+@pytest.mark.slow  # two subprocesses importing torch/transformers/speculators: ~20 s
+def test_stage_script_end_to_end(micro_verifier, tmp_path):
+    from ruamel.yaml import YAML
+
+    ds, cap = _write_inputs(tmp_path, micro_verifier)
+    yaml = YAML()
+    doc = yaml.load((ROOT / "params.yaml").read_text())
+    doc["extract"]["dtype"], doc["extract"]["batch_size"] = "float32", 3
+    with (tmp_path / "params.yaml").open("w") as fh:
+        yaml.dump(doc, fh)
+
+    def stage(capture: Path):
+        return subprocess.run(
+            [sys.executable, str(ROOT / "stages" / "extract.py"), "--params",
+             str(tmp_path / "params.yaml"), "--dvc-yaml", str(ROOT / "dvc.yaml"), "--verifier",
+             str(micro_verifier), "--dataset", str(ds), "--capture", str(capture), "--out",
+             str(tmp_path / "hidden"), "--metrics", str(tmp_path / "m" / "extract.json"),
+             "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    r = stage(cap)
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads((tmp_path / "m" / "extract.json").read_text())
+    assert metrics["samples"] == 7 and metrics["dtype"] == "float32"
+    assert metrics["min_bytes_per_token"] == 4 * H * 4
+    hs = load_file(tmp_path / "hidden" / "eval" / "hidden_states" / "hs_0.safetensors")
+    assert hs["hidden_states"].dtype == torch.float32
+    before = _files(tmp_path / "hidden")
+
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 4,
+                                 "hidden_size": 128, "final": "pre_norm"}))
+    r = stage(stale)
+    assert r.returncode == 2
+    assert "hidden_size=128" in r.stderr and "dvc repro configs" in r.stderr
+    assert _files(tmp_path / "hidden") == before  # a failed run leaves the last output intact

@@ -1,0 +1,255 @@
+"""The `smoke` stage: real vLLM (engine-less load check and in-process engines) on real draft
+checkpoints written by tests/drafts.py for the micro verifier.
+
+Engines run in a subprocess (the stage's CLI): vLLM's CPU worker replaces torch.set_num_threads
+process-wide, which must not leak into other tests.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+import drafts
+from eagle3pipe import smoke
+
+ROOT = Path(__file__).resolve().parents[1]
+K = drafts.MICRO_DRAFT["num_speculative_tokens"]
+# 1 prefill token + 8 full speculative steps of k+1 tokens: every step proposes k drafts
+MAX_TOKENS = 1 + 8 * (K + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# pure parts (no vLLM)
+
+
+def test_k_is_the_exported_serving_default(micro_verifier, tmp_path):
+    arch = drafts.micro_arch(micro_verifier)
+    drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
+                        num_speculative_tokens=5)
+    assert smoke.speculative_tokens(tmp_path / "export") == 5
+    cfg_path = tmp_path / "export" / "speculators" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(smoke.SmokeError, match=r"speculators/config.json.*speculative_tokens"):
+        smoke.speculative_tokens(tmp_path / "export")
+
+
+def test_missing_export_names_the_file(micro_verifier, tmp_path):
+    arch = drafts.micro_arch(micro_verifier)
+    drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
+    (tmp_path / "export" / "vllm" / "model.safetensors").unlink()
+    with pytest.raises(smoke.SmokeError, match=r"export/vllm: model.safetensors missing"):
+        smoke.export_dirs(tmp_path / "export")
+
+
+def test_acceptance_from_counters():
+    r = smoke.acceptance({"drafts": 10, "draft_tokens": 30, "accepted_tokens": 17,
+                          "accepted_per_position": [9, 5, 3]}, 3, 57)
+    assert r == {"mean_acceptance_length": 2.7, "acceptance_rate_per_position": [0.9, 0.5, 0.3],
+                 "num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 17,
+                 "tokens_generated": 57}
+    assert smoke.acceptance({"drafts": 3, "accepted_tokens": 1}, 2, 4)[
+        "mean_acceptance_length"] == 1.3333
+    none = smoke.acceptance({}, 3, 0)
+    assert none["mean_acceptance_length"] == 1.0 and none["num_drafts"] == 0
+    rows = smoke.plot_rows({"vllm": r, "ngram": none})
+    assert rows[0] == {"position": 1, "ngram": 0.0, "vllm": 0.9}
+    assert [x["position"] for x in rows] == [1, 2, 3]
+
+
+def test_mismatch_names_prompt_and_position():
+    ref = [[1, 2, 3, 4], [5, 6, 7]]
+    assert smoke.mismatches(ref, [[1, 2, 3, 4], [5, 6, 7]]) == []
+    diff = smoke.mismatches(ref, [[1, 2, 9, 4], [5, 6, 7]])
+    assert len(diff) == 1 and diff[0].startswith("prompt 0: first difference at output token 2")
+    assert smoke.mismatches(ref, [[1, 2, 3, 4], [5, 6]])[0].startswith("prompt 1:")
+
+
+def test_draft_helper_writes_what_the_contract_check_accepts(micro_verifier, tmp_path):
+    from eagle3pipe import check
+
+    arch = drafts.micro_arch(micro_verifier)
+    drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
+    for layout in ("vllm", "speculators"):
+        assert check.check_checkpoint(tmp_path / "export" / layout, arch) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# engine-less load check (vLLM's model class and weight loader, no engine)
+
+
+def _check(verifier, draft_dir):
+    from eagle3pipe import vllm_load
+
+    return vllm_load.check_draft(verifier, draft_dir, num_speculative_tokens=K)
+
+
+def test_engineless_both_formats_load(micro_verifier, tmp_path):
+    from eagle3pipe import arch as A
+
+    arch = drafts.micro_arch(micro_verifier)
+    drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
+    for layout in ("vllm", "speculators"):
+        rep = _check(micro_verifier, tmp_path / "export" / layout)
+        assert rep.problems == [], rep.problems
+        assert rep.architecture == "Eagle3LlamaForCausalLM"
+        assert rep.shared_embedding  # no embed_tokens in the export: vLLM shares the verifier's
+        # every contract tensor but t2d (vLLM skips it by design) went through a weight loader
+        assert rep.loaded_tensors == sorted(set(A.contract(arch, layout)) - {"t2d"})
+
+
+def test_engineless_catches_weights_built_for_another_head_dim(micro_verifier, tmp_path):
+    """vLLM silently narrows head_dim-64 weights under a config saying 32."""
+    from eagle3pipe import check
+
+    arch = drafts.micro_arch(micro_verifier)
+    assert arch.head_dim == 32
+    d = drafts.write_draft(tmp_path / "hd64", arch, "vllm", verifier_dir=micro_verifier,
+                           weights_arch=drafts.with_head_dim(arch, 64))
+    rep = _check(micro_verifier, d)
+    text = "\n".join(rep.problems)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert re.search(rf"tensor midlayer\.self_attn\.{proj}\.weight has shape .* trim", text), \
+            text
+    assert "[128, 128] but vLLM's model.layers.0.self_attn.qkv_proj.weight (shard 'q') holds " \
+           "[64, 128]" in text
+    # the contract check flags the same tensors, with the reason
+    problems = "\n".join(check.check_checkpoint(d))
+    assert "midlayer.self_attn.q_proj.weight has shape [128, 128]" in problems
+    assert "head_dim=32" in problems
+
+
+def test_engineless_catches_missing_fc(micro_verifier, tmp_path):
+    arch = drafts.micro_arch(micro_verifier)
+    for layout in ("vllm", "speculators"):
+        d = drafts.write_draft(tmp_path / layout, arch, layout, verifier_dir=micro_verifier,
+                               omit=("fc.weight",))
+        rep = _check(micro_verifier, d)
+        assert len(rep.problems) == 1, rep.problems
+        assert "model.fc.weight [64, 192]: 12288 of 12288 values never loaded" in \
+            rep.problems[0]
+        assert "(fc.weight missing" in rep.problems[0]
+
+
+def test_engineless_catches_missing_lm_head(micro_verifier, tmp_path):
+    """Without lm_head vLLM would use the verifier's (512 rows) for a 256-row draft vocab."""
+    arch = drafts.micro_arch(micro_verifier)
+    d = drafts.write_draft(tmp_path / "d", arch, "vllm", verifier_dir=micro_verifier,
+                           omit=("lm_head.weight",))
+    (problem,) = _check(micro_verifier, d).problems
+    assert "lm_head.weight [256, 64]" in problem and "verifier's lm_head" in problem
+
+
+def test_engineless_reports_vllms_own_error_for_four_aux_layers(micro_verifier, tmp_path):
+    """vLLM's fc input is fixed at 3 aux layers: an fc built for 4 fails loudly in vLLM."""
+    import torch
+
+    arch = drafts.micro_arch(micro_verifier)
+
+    def fc_for_four(t):
+        t["fc.weight"] = torch.zeros(arch.hidden_size, 4 * arch.target_hidden_size)
+
+    d = drafts.write_draft(tmp_path / "d", arch, "vllm", verifier_dir=micro_verifier,
+                           edit=fc_for_four)
+    (problem,) = _check(micro_verifier, d).problems
+    assert "vLLM failed while running vLLM's weight loader" in problem
+    assert "[64, 256]" in problem and "[64, 192]" in problem
+
+
+def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_path,
+                                                          monkeypatch):
+    import types
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(key, "")  # restored after the test
+    arch = drafts.micro_arch(micro_verifier)
+    drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
+                        omit=("fc.weight",))
+    s = types.SimpleNamespace(num_prompts=2, max_tokens=8, kv_cache_gib=1,
+                              min_acceptance_length=1.0, min_gain_over_ngram=0.0,
+                              ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
+                              threads=2)
+    with pytest.raises(smoke.SmokeError) as e:
+        smoke.run(s, export_dir=tmp_path / "export", verifier_dir=micro_verifier,
+                  metrics_path=tmp_path / "m.json", plots_path=tmp_path / "p.json")
+    msg = str(e.value)
+    assert "engine-less vLLM load check failed" in msg
+    assert "export/vllm" in msg and "export/speculators" in msg and "fc.weight missing" in msg
+    assert not (tmp_path / "m.json").exists() and not (tmp_path / "p.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage with real engines (subprocess: the stage's own CLI)
+
+
+def _params(tmp_path: Path, **smoke_overrides) -> Path:
+    yaml = YAML(typ="rt")
+    doc = yaml.load((ROOT / "params.yaml").read_text())
+    for k, v in dict(num_prompts=2, max_tokens=MAX_TOKENS, kv_cache_gib=1,
+                     **smoke_overrides).items():
+        doc["smoke"][k] = v
+    out = tmp_path / "params.yaml"
+    with out.open("w") as fh:
+        yaml.dump(doc, fh)
+    return out
+
+
+def _stage(tmp_path: Path, params: Path, export: Path, verifier: Path):
+    cmd = [sys.executable, str(ROOT / "stages" / "smoke.py"), "--params", str(params),
+           "--dvc-yaml", str(ROOT / "dvc.yaml"), "--export", str(export),
+           "--verifier", str(verifier), "--metrics", str(tmp_path / "metrics" / "smoke.json"),
+           "--plots", str(tmp_path / "plots" / "smoke_acceptance.json")]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_positive_control_accepts_every_draft(micro_verifier_copy, tmp_path):
+    """Final norms zeroed in verifier and draft: every logit ties at 0, both pick id 0, so every
+    draft is accepted: mean acceptance length exactly k + 1, in both formats."""
+    verifier = drafts.zero_final_norm(micro_verifier_copy)
+    arch = drafts.micro_arch(verifier)
+    export = drafts.write_export(tmp_path / "export", arch, verifier_dir=verifier,
+                                 mode="zero_norm", num_speculative_tokens=K)
+    r = _stage(tmp_path, _params(tmp_path), export, verifier)
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = json.loads((tmp_path / "metrics" / "smoke.json").read_text())
+    assert m["num_speculative_tokens"] == K
+    for fmt in ("vllm", "speculators"):
+        f = m["formats"][fmt]
+        assert f["mean_acceptance_length"] == K + 1
+        assert f["acceptance_rate_per_position"] == [1.0] * K
+        assert f["lossless"] is True
+        assert f["num_drafts"] == 2 * (MAX_TOKENS - 1) // (K + 1)
+        assert f["tokens_generated"] == 2 * MAX_TOKENS
+    assert m["mean_acceptance_length"]["ngram"] == m["ngram"]["mean_acceptance_length"]
+    rows = json.loads((tmp_path / "plots" / "smoke_acceptance.json").read_text())
+    assert [r["position"] for r in rows] == list(range(1, K + 1))
+    assert all(set(r) == {"position", "vllm", "speculators", "ngram"} for r in rows)
+    assert not re.search(r"_s\"|seconds|time", json.dumps(m))  # no timings in metrics
+    for line in r.stderr.splitlines():
+        if "engine start" in line:
+            print(line)
+
+
+@pytest.mark.slow
+def test_untrained_draft_fails_the_threshold(micro_verifier, tmp_path):
+    """A random draft speculates losslessly (the verifier decides) but is almost never right:
+    acceptance near 1, the stage fails naming the threshold and writes no metrics."""
+    arch = drafts.micro_arch(micro_verifier)
+    export = drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
+                                 mode="random")
+    r = _stage(tmp_path, _params(tmp_path, min_acceptance_length=1.5), export, micro_verifier)
+    assert r.returncode == 1, r.stderr[-4000:]
+    found = dict(re.findall(r"(vllm|speculators): mean acceptance length ([\d.]+) \(k=3\) is "
+                            r"below smoke.min_acceptance_length 1.5", r.stderr))
+    assert set(found) == {"vllm", "speculators"}, r.stderr[-4000:]
+    assert all(1.0 <= float(v) < 1.2 for v in found.values()), found
+    assert "lossless" not in r.stderr  # speculation was still exact
+    assert not (tmp_path / "metrics" / "smoke.json").exists()

@@ -1,0 +1,346 @@
+"""The train stage: real speculators Eagle3DraftModel on real hidden states of the micro verifier
+(a real forward pass), real safetensors, real dvclive output."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3pipe import arch as archmod
+from eagle3pipe import train as trainmod
+from eagle3pipe.params import DraftParams
+from eagle3pipe.verifier_info import VerifierInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# head_dim 32 on purpose: hidden/heads would be 64/4 = 16, so a derived head_dim shows up as
+# wrong shapes everywhere.
+MICRO_DRAFT = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=96, aux_layer_ids=[1, 2, 3], draft_vocab_size=128,
+                   norm_before_residual=True, rope_theta=10000.0, rope_scaling=None,
+                   rms_norm_eps=1e-6, max_position_embeddings=1024, hidden_act="silu",
+                   dtype="bfloat16", num_speculative_tokens=3)
+MICRO_TRAIN = dict(seed=0, threads=2, device="cpu", epochs=2, batch_tokens=512,
+                   learning_rate=3e-3, weight_decay=0.0, warmup_steps=2, ttt_steps=3,
+                   eval_every=4)
+
+
+def draft_arch(verifier: Path, **overrides) -> archmod.DraftArch:
+    return archmod.derive(DraftParams(**{**MICRO_DRAFT, **overrides}),
+                          VerifierInfo.from_config(verifier))
+
+
+def write_draft_config(verifier: Path, path: Path, **overrides) -> archmod.DraftArch:
+    """What the configs stage writes: DraftArch.to_dict() minus "dtype"."""
+    a = draft_arch(verifier, **overrides)
+    d = a.to_dict()
+    d.pop("dtype")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    return a
+
+
+def _conversations(tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    from eagle3pipe import embedded
+
+    pairs = embedded.chat_pairs("heldout")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(pairs), generator=g)[:n].tolist()
+    out = []
+    for i in pick:
+        user, assistant = pairs[i]
+        prompt = tokenizer(f"{embedded.USER}\n{user[:160]}{embedded.END}\n{embedded.ASSISTANT}\n",
+                           add_special_tokens=False)["input_ids"]
+        answer = tokenizer(f"{assistant[:160]}{embedded.END}\n",
+                           add_special_tokens=False)["input_ids"]
+        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    return out
+
+
+@torch.no_grad()
+def write_datapath(model, convs, out: Path, aux_ids) -> None:
+    """A speculators datapath: save_to_disk dataset + hidden_states/hs_i.safetensors with
+    token_ids [T] and hidden_states [T, 4, H] bf16 (aux layer inputs, then the last layer's
+    output before the final norm), from a real forward pass."""
+    from datasets import Dataset
+
+    captured = {}
+    hook = model.model.norm.register_forward_hook(
+        lambda mod, args, out_: captured.__setitem__("pre_norm", args[0]))
+    (out / "hidden_states").mkdir(parents=True)
+    try:
+        for i, (ids, _mask) in enumerate(convs):
+            x = torch.tensor([ids])
+            hs = model(input_ids=x, output_hidden_states=True).hidden_states
+            slots = [hs[j][0] for j in aux_ids] + [captured["pre_norm"][0]]
+            save_file({"token_ids": x[0].clone(),
+                       "hidden_states": torch.stack(slots, dim=1).to(torch.bfloat16).contiguous()},
+                      str(out / "hidden_states" / f"hs_{i}.safetensors"))
+    finally:
+        hook.remove()
+    ds = Dataset.from_dict({"input_ids": [c[0] for c in convs],
+                            "loss_mask": [c[1] for c in convs],
+                            "seq_len": [len(c[0]) for c in convs]})
+    ds.set_format("torch")
+    ds.save_to_disk(str(out))
+
+
+def write_vocab_map(convs, vocab_size: int, draft_vocab: int, out_dir: Path) -> None:
+    """d2t/t2d from assistant-token frequencies with speculators' own mapping builder."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    counts: dict[int, int] = {}
+    for ids, mask in convs:
+        for t, m in zip(ids, mask):
+            if m:
+                counts[t] = counts.get(t, 0) + 1
+    d2t, t2d = build_vocab_mappings_from_distribution(counts, draft_vocab, vocab_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()},
+              str(out_dir / "vocab_map.safetensors"))
+
+
+def make_inputs(verifier: Path, root: Path, *, n_train=16, n_eval=4, **draft_overrides):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    a = write_draft_config(verifier, root / "configs" / "draft_config.json", **draft_overrides)
+    tok = AutoTokenizer.from_pretrained(verifier)
+    model = LlamaForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    convs = _conversations(tok, n_train + n_eval, seed=0)
+    write_datapath(model, convs[:n_train], root / "hidden" / "train", a.aux_layer_ids)
+    write_datapath(model, convs[n_train:], root / "hidden" / "eval", a.aux_layer_ids)
+    write_vocab_map(convs[:n_train], a.vocab_size, a.draft_vocab_size, root / "vocab")
+    return types.SimpleNamespace(root=root, verifier=verifier, arch=a,
+                                 draft_config=root / "configs" / "draft_config.json",
+                                 hidden=root / "hidden", vocab=root / "vocab")
+
+
+@pytest.fixture(scope="module")
+def inputs(micro_verifier, tmp_path_factory):
+    return make_inputs(micro_verifier, tmp_path_factory.mktemp("train_inputs"))
+
+
+def run_train(inp, out: Path, metrics: Path, **overrides):
+    p = types.SimpleNamespace(**{**MICRO_TRAIN, **overrides})
+    return trainmod.train(p, inp.draft_config, inp.verifier, inp.hidden, inp.vocab, out,
+                          metrics_dir=metrics, progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained(inputs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    final = run_train(inputs, root / "train", root / "metrics")
+    return types.SimpleNamespace(out=root / "train", metrics=root / "metrics", final=final)
+
+
+def _tsv(path: Path) -> list[tuple[int, float]]:
+    rows = path.read_text().splitlines()
+    head = rows[0].split("\t")
+    assert "timestamp" not in head, "dvclive plots must not carry timestamps (committed files)"
+    return [(int(r.split("\t")[head.index("step")]), float(r.split("\t")[-1])) for r in rows[1:]]
+
+
+def test_checkpoint_is_exactly_the_speculators_contract(inputs, trained):
+    spec = archmod.contract(dataclasses.replace(inputs.arch, dtype="float32"), "speculators")
+    with safe_open(str(trained.out / "model.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+        got = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in names}
+    assert names == sorted(spec), set(names) ^ set(spec)
+    assert not any(n.startswith(("embed_tokens", "verifier_")) for n in names)
+    for n, s in spec.items():
+        assert got[n] == (s.shape, s.dtype), (n, got[n], s)
+    # head_dim is the explicit 32, not 64/4
+    assert got["layers.0.self_attn.q_proj.weight"][0] == (4 * 32, 2 * 64)
+    cfg = json.loads((trained.out / "config.json").read_text())
+    tl = cfg["transformer_layer_config"]
+    assert tl["head_dim"] == 32 and tl["hidden_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["norm_before_residual"] is True
+    assert cfg["draft_vocab_size"] == 128
+    # the lm_head rows are the verifier's rows selected by t2d (frozen, as speculators trains)
+    t = load_file(str(trained.out / "model.safetensors"))
+    ver = load_file(str(inputs.verifier / "model.safetensors"))
+    assert torch.equal(t["lm_head.weight"], ver["lm_head.weight"][t["t2d"]])
+    assert torch.equal(torch.arange(128) + t["d2t"], torch.nonzero(t["t2d"]).flatten())
+
+
+def test_training_reduces_eval_loss_and_logs_dvclive(trained):
+    evals = _tsv(trained.metrics / "plots" / "metrics" / "eval" / "loss.tsv")
+    assert evals[0][0] == 0 and len(evals) >= 3
+    first, last = evals[0][1], evals[-1][1]
+    assert last < 0.8 * first, evals
+    train_rows = _tsv(trained.metrics / "plots" / "metrics" / "train" / "loss.tsv")
+    assert [s for s, _ in train_rows] == list(range(1, len(train_rows) + 1))
+    m = json.loads((trained.metrics / "metrics.json").read_text())
+    assert m["step"] == len(train_rows)
+    assert m["eval"]["loss"] == pytest.approx(last)
+    assert "loss" in m["train"]
+    accs = [m["eval"][f"acc_pos{i}"] for i in range(3)]
+    assert 0.0 < accs[0] <= 1.0 and accs[0] >= accs[1] >= accs[2] >= 0.0  # cumulative
+    assert m["eval"]["accept_len"] == pytest.approx(1 + sum(accs), abs=1e-4)
+    assert not (trained.metrics / "dvc.yaml").exists()
+
+
+@pytest.mark.slow
+def test_two_runs_are_byte_identical(inputs, trained, tmp_path):
+    run_train(inputs, tmp_path / "train", tmp_path / "metrics")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "train" / name).read_bytes() == (trained.out / name).read_bytes(), name
+    for f in sorted(trained.metrics.rglob("*")):
+        if f.is_file():
+            other = tmp_path / "metrics" / f.relative_to(trained.metrics)
+            assert other.read_bytes() == f.read_bytes(), f
+
+
+def test_checkpoint_reloads_in_speculators(inputs, trained):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    m = Eagle3DraftModel.from_pretrained(str(trained.out))
+    t = load_file(str(trained.out / "model.safetensors"))
+    sd = m.state_dict()
+    for name, tensor in t.items():
+        assert torch.equal(sd[name].to(tensor.dtype), tensor), name
+
+
+def test_packing_is_seeded_and_bounded():
+    lengths = [100, 300, 50, 700, 20, 256, 256, 10]
+    a = trainmod.epoch_batches(lengths, 512, seed=0, epoch=1)
+    assert a == trainmod.epoch_batches(lengths, 512, seed=0, epoch=1)
+    assert a != trainmod.epoch_batches(lengths, 512, seed=0, epoch=2)
+    assert sorted(i for b in a for i in b) == list(range(len(lengths)))
+    for b in a:
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= 512
+
+
+def test_bad_inputs_name_the_file(inputs, tmp_path):
+    bad = tmp_path / "draft_config.json"
+    d = json.loads(inputs.draft_config.read_text())
+    d.pop("head_dim")
+    bad.write_text(json.dumps(d))
+    with pytest.raises(trainmod.TrainInputError, match=r"draft_config\.json.*head_dim"):
+        trainmod.load_draft_config(bad)
+    # a vocab map whose d2t is all zeros loads in vLLM and is wrong: rejected here
+    t = load_file(str(inputs.vocab / "vocab_map.safetensors"))
+    (tmp_path / "v").mkdir()
+    save_file({"d2t": torch.zeros_like(t["d2t"]), "t2d": t["t2d"]},
+              str(tmp_path / "v" / "vocab_map.safetensors"))
+    with pytest.raises(trainmod.TrainInputError, match="d2t and t2d disagree"):
+        trainmod.load_vocab_map(tmp_path / "v", inputs.arch)
+    # a draft config for another verifier (stale configs/) is rejected
+    other = tmp_path / "other.json"
+    d = json.loads(inputs.draft_config.read_text())
+    d["hidden_size"] = d["target_hidden_size"] = 128
+    other.write_text(json.dumps(d))
+    with pytest.raises(trainmod.TrainInputError, match="hidden_size=128.*stale"):
+        trainmod.check_against_verifier(trainmod.load_draft_config(other), inputs.verifier)
+
+
+def test_transformer_layer_config_keeps_explicit_head_dim(inputs):
+    from eagle3pipe import render
+
+    cfg = trainmod.transformer_layer_config(inputs.arch, "sdpa")
+    assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
+    assert cfg._attn_implementation == "sdpa"
+    # the layer trained is the layer the configs stage renders for export
+    assert cfg.to_dict() == render.transformer_layer_config(inputs.arch).to_dict()
+
+
+def test_cpu_micro_batches_give_the_packed_step(inputs):
+    """CPU runs a pack as <=chunk-token micro-batches; weighted by loss-mask share, loss and
+    gradient equal one packed forward (speculators' token-weighted mean over the pack)."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    torch.manual_seed(0)
+    a = trainmod.load_draft_config(inputs.draft_config)
+    d2t, t2d = trainmod.load_vocab_map(inputs.vocab, a)
+    model = trainmod.build_model(a, inputs.verifier, d2t, t2d, speculative_tokens=3,
+                                 attn_impl="sdpa")
+    ds = trainmod.open_datapath(inputs.hidden / "train", 1024, torch.float32)
+    exact = dataclasses.replace(trainmod.backend_for("cpu"), autocast=None,
+                                data_dtype=torch.float32)
+    collate = CollateFn(1024, a.target_hidden_size, 3, dtype=torch.float32,
+                        preprocess=shift_batch)
+    idx = [0, 1, 2, 3, 4]
+    lc = resolve_loss_config("kl_div", "eager")
+    results = []
+    for chunk in (None, 300):
+        b = trainmod.Batches(ds, inputs.hidden / "train", collate,
+                             dataclasses.replace(exact, chunk_tokens=chunk))
+        micro = b.micro(idx)
+        assert (len(micro) == 1) == (chunk is None)
+        model.zero_grad()
+        loss, counts = trainmod.run_batch(model, micro, ttt_steps=3, loss_config=lc,
+                                          backend=b.backend, d=trainmod.Dist(), backward=True)
+        results.append((loss, counts, model.fc.weight.grad.clone()))
+    (l1, c1, g1), (l2, c2, g2) = results
+    assert l1.item() == pytest.approx(l2.item(), rel=1e-4)
+    assert torch.allclose(g1, g2, rtol=1e-3, atol=1e-6)
+    assert torch.equal(c1[1::4], c2[1::4])  # same positions counted
+
+
+def test_stage_script_runs_from_params(inputs, tmp_path):
+    """stages/train.py with the dvc.yaml arguments, params read through for_stage('train')."""
+    params = (ROOT / "params.yaml").read_text()
+    params = params.replace("epochs: 6", "epochs: 1").replace("batch_tokens: 2048",
+                                                              "batch_tokens: 512")
+    (tmp_path / "params.yaml").write_text(params)
+    # inside a git repo without DVC, plain dvclive would `dvc init` it: ours never touches DVC
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "stages" / "train.py"), "--params", "params.yaml",
+         "--draft-config", str(inputs.draft_config), "--verifier", str(inputs.verifier),
+         "--hidden", str(inputs.hidden), "--vocab", str(inputs.vocab), "--out",
+         "artifacts/train", "--dvc-yaml", str(ROOT / "dvc.yaml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "artifacts" / "train" / "model.safetensors").is_file()
+    assert (tmp_path / "metrics" / "train" / "metrics.json").is_file()
+    assert not (tmp_path / ".dvc").exists() and not (tmp_path / "metrics" / "train" /
+                                                     "dvc.yaml").exists()
+    assert "acceptance length (training estimate)" in r.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_path(inputs, tmp_path):
+    """The multi-GPU path (torchrun, DDP, sharded packs, all-reduced eval, rank-0 writes) run on
+    CPU over gloo with the test switch EAGLE3PIPE_CPU_DDP_TEST=1 (real runs require CUDA)."""
+    import os
+
+    params = (ROOT / "params.yaml").read_text()
+    params = params.replace("epochs: 6", "epochs: 1").replace(
+        "batch_tokens: 2048", "batch_tokens: 256").replace("threads: 2\n  device",
+                                                            "threads: 1\n  device")
+    (tmp_path / "params.yaml").write_text(params)
+    args = ["--params", "params.yaml", "--draft-config", str(inputs.draft_config),
+            "--verifier", str(inputs.verifier), "--hidden", str(inputs.hidden), "--vocab",
+            str(inputs.vocab), "--out", "artifacts/train", "--dvc-yaml", str(ROOT / "dvc.yaml"),
+            "--no-progress"]
+    env = {**os.environ, "EAGLE3PIPE_CPU_DDP_TEST": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", "29517", str(ROOT / "stages" / "train.py"), *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "device cpu x 2" in r.stderr
+    ckpt = load_file(str(tmp_path / "artifacts" / "train" / "model.safetensors"))
+    spec = archmod.contract(dataclasses.replace(inputs.arch, dtype="float32"), "speculators")
+    assert sorted(ckpt) == sorted(spec)
+    m = json.loads((tmp_path / "metrics" / "train" / "metrics.json").read_text())
+    first = _tsv(tmp_path / "metrics" / "train" / "plots" / "metrics" / "eval" / "loss.tsv")[0][1]
+    assert m["eval"]["loss"] < first
+    # without the test switch, torchrun on CPU is refused
+    env.pop("EAGLE3PIPE_CPU_DDP_TEST")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", "29518", str(ROOT / "stages" / "train.py"), *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode != 0 and "multi-process training is for GPUs" in r.stderr

@@ -46,7 +46,7 @@ render: setup
 plots: setup
 	dvc plots show --open=false
 
-# make exp SET="draft.head_dim=112"   (several: SET="draft.head_dim=112 train.epochs=2")
+# make exp SET="draft.head_dim=112"   (several: SET="draft.head_dim=112 train.epochs=2")  # check: ignore (example)
 exp: setup
 	dvc exp run $(foreach s,$(SET),-S $(s))
 	dvc exp show --no-pager --md --drop 'deps|outs' | head -40

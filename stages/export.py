@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from eagle3pipe import export
+    from eagle3pipe.runtime import record_run
+
+    record_run("export")
     from eagle3pipe.verifier_info import VerifierConfigError
 
     try:

@@ -27,6 +27,7 @@ def env(repo: Path) -> dict:
     e = dict(os.environ)
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e["EAGLE3PIPE_RUN_LOG"] = str(repo / ".runlog")
+    e["PYTHONPATH"] = str(repo / "src")  # the repo's own copy of the code runs, as DVC tracks it
     e["PYTHONHASHSEED"] = "0"
     e["TOKENIZERS_PARALLELISM"] = "false"
     e["GIT_AUTHOR_NAME"] = e["GIT_COMMITTER_NAME"] = "test"

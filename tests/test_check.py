@@ -246,7 +246,11 @@ def test_make_check_names_hand_edit(tmp_path):
     if not f.exists():
         pytest.skip("configs/ not committed yet")
     f.write_text(f.read_text().replace('"head_dim": 128', '"head_dim": 112'))
-    r = subprocess.run(["make", "-s", "check", f"VENV={ROOT}/.venv"], cwd=repo,
+    import os
+    import sys
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHONPATH": str(repo / "src")}
+    r = subprocess.run(["make", "-s", "check", "SKIP_SETUP=1"], cwd=repo, env=env,
                        capture_output=True, text=True)
     assert r.returncode != 0
     assert "configs/draft_config.json: differs from what params.yaml renders (head_dim" in r.stderr

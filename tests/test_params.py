@@ -68,7 +68,7 @@ CASES = [
     _case("  eval_fraction: 0.1", "  eval_fraction: 1.5", "dataset.eval_fraction", r"\[0, 1\)"),
     _case("  batch_tokens: 2048", "  batch_tokens: lots", "train.batch_tokens", "integer"),
     _case("  device: cpu", "  device: tpu", "train.device", "not one of"),
-    _case("  min_acceptance_length: 2.5", "  min_acceptance_length: 0.5",
+    _case("  min_acceptance_length:", "  min_acceptance_length: 0.5",
           "smoke.min_acceptance_length", ">="),
     _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",
           "smoke.ngram_prompt_lookup_min", "larger"),

@@ -91,10 +91,12 @@ def _check(verifier, draft_dir):
     return vllm_load.check_draft(verifier, draft_dir, num_speculative_tokens=K)
 
 
-def test_engineless_both_formats_load(micro_verifier, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [256, 96], ids=["vocab256", "vocab96-padded-by-vllm"])
+def test_engineless_both_formats_load(micro_verifier, tmp_path, draft_vocab):
+    """96 rows: vLLM pads lm_head to 128 rows; the padding is neither loaded nor a problem."""
     from eagle3pipe import arch as A
 
-    arch = drafts.micro_arch(micro_verifier)
+    arch = drafts.micro_arch(micro_verifier, draft_vocab_size=draft_vocab)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
     for layout in ("vllm", "speculators"):
         rep = _check(micro_verifier, tmp_path / "export" / layout)

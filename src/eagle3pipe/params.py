@@ -473,10 +473,9 @@ def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
     Every stage calls this first, so it is also where a stage's execution is recorded: with
     EAGLE3PIPE_RUN_LOG set, the stage name is appended to that file (tests use it to tell the
     stages DVC really executed from those it skipped or restored from its run-cache)."""
-    log = os.environ.get("EAGLE3PIPE_RUN_LOG")
-    if log:
-        with open(log, "a") as fh:
-            fh.write(stage + "\n")
+    from eagle3pipe.runtime import record_run
+
+    record_run(stage)
     return StageView(load(params_file), stage, declared_params(stage, dvc_yaml))
 
 

@@ -11,6 +11,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def record_run(stage: str) -> None:
+    """Appends the stage name to $EAGLE3PIPE_RUN_LOG, if set: the tests' record of which stage
+    commands DVC really executed (as opposed to skipped or restored from its run-cache)."""
+    log = os.environ.get("EAGLE3PIPE_RUN_LOG")
+    if log:
+        with open(log, "a") as fh:
+            fh.write(stage + "\n")
+
+
 def seed_everything(seed: int, threads: int) -> None:
     """Fixed seeds and an explicit thread count: same params, same bytes."""
     import numpy as np

@@ -118,9 +118,19 @@ def _unfilled(p) -> int:
     return int((p.data == torch.iinfo(p.dtype).min).sum())
 
 
+def _vocab_rows(module) -> int | None:
+    """Real rows of a vocab-parallel parameter (vLLM pads lm_head/embeddings to a multiple of
+    64 rows; the padding is never loaded and never read)."""
+    idx = getattr(module, "shard_indices", None)
+    return idx.num_org_elements if idx is not None and hasattr(idx, "num_org_elements") else None
+
+
 def _slot_shape(module, param, shard_id) -> tuple[int, ...] | None:
     """Shape of the part of a (possibly fused) vLLM parameter one checkpoint tensor fills."""
     shape = tuple(param.shape)
+    rows = _vocab_rows(module)
+    if rows is not None and shard_id is None:
+        return (rows, *shape[1:])
     if shard_id is None:
         return shape
     sizes = getattr(module, "output_sizes", None)
@@ -234,7 +244,8 @@ def check_draft(model_dir: str | Path, draft_dir: str | Path, *, num_speculative
     report.shared_embedding = (embed is not None and not own_embed
                                and embed.weight.shape[-1] == hidden)
     for pname, p in named.items():
-        n = _unfilled(p)
+        rows = _vocab_rows(owner.get(id(p)))
+        n = _unfilled(p.data[:rows] if rows is not None else p)
         if not n:
             continue
         if report.shared_embedding and p is getattr(embed, "weight", None):

@@ -1,0 +1,367 @@
+"""In-process benchmarks: extraction and draft training, each timed side by side with the bare
+library call doing the same work on the same inputs."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from common import (interleave, log, random_verifier, rnd, speed_ratio, speed_ratio_median,
+                    synthetic_samples, timing_summary)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extraction
+
+
+def _batches(samples, batch_size: int, pad_id: int):
+    """The padded batches eagle3pipe.extract.extract_split forms (longest first, right pad)."""
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
+    out = []
+    for k in range(0, len(order), batch_size):
+        batch = order[k:k + batch_size]
+        lens = [len(samples[i].input_ids) for i in batch]
+        ids = torch.full((len(batch), max(lens)), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), max(lens)), dtype=torch.long)
+        for r, (i, n) in enumerate(zip(batch, lens)):
+            ids[r, :n] = torch.tensor(samples[i].input_ids, dtype=torch.long)
+            mask[r, :n] = 1
+        out.append((ids, mask))
+    return out
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size: int = 8,
+                  dtype: str = "bfloat16", repeats: int = 3, with_stage: bool = True,
+                  with_lm_head: bool = True) -> dict:
+    """tokens/s of the extract stage's code path vs a bare transformers forward of the same
+    verifier over the same padded batches:
+      forward  bare decoder forward, `model.model(input_ids, attention_mask)`, no hooks: the
+               floor (the least any extractor must compute; the lm_head is not needed)
+      forward_lm_head  the plain `model(...)` CausalLM forward (decoder + lm_head), for context
+      capture  eagle3pipe.extract.capture on the same batches (hooks + stacking the slots)
+      split    eagle3pipe.extract.extract_split: batching, capture, casting, one safetensors file
+               per sample and the datasets table (what the stage does per split)
+      stage    split + validate_split (the stage reads every file back before publishing)"""
+    from eagle3pipe import extract as X
+
+    torch_dtype = X.DTYPES[dtype]
+    base, _, _ = X._decoder(model)  # noqa: SLF001
+    cfg = model.config
+    pad_id = cfg.pad_token_id if isinstance(getattr(cfg, "pad_token_id", None), int) else 0
+    batches = _batches(samples, batch_size, pad_id)
+    tokens = sum(len(s.input_ids) for s in samples)
+    H = cfg.hidden_size
+    num_slots = len(aux_ids) + 1
+    work.mkdir(parents=True, exist_ok=True)
+
+    @torch.no_grad()
+    def forward():
+        for ids, mask in batches:
+            base(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    @torch.no_grad()
+    def forward_lm_head():
+        for ids, mask in batches:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    def capture():
+        for ids, mask in batches:
+            X.capture(model, ids, mask, aux_ids)
+
+    def split(validate: bool = False):
+        out = work / ("stage" if validate else "split")
+        shutil.rmtree(out, ignore_errors=True)  # not timed
+        t0 = time.perf_counter()
+        X.extract_split(model, samples, aux_ids, out, torch_dtype, batch_size, pad_id=pad_id,
+                        progress=False)
+        if validate:
+            X.validate_split(out, samples, num_slots, H, torch_dtype)
+        return time.perf_counter() - t0
+
+    fns = {"forward": forward, "capture": capture, "split": split}
+    if with_lm_head:
+        fns["forward_lm_head"] = forward_lm_head
+    if with_stage:
+        fns["stage"] = lambda: split(validate=True)
+    times = interleave(fns, repeats)
+    split_dir = work / "split"
+    elem = torch.tensor([], dtype=torch_dtype).element_size()
+    min_bpt = num_slots * H * elem
+    res = {
+        "tokens": tokens, "samples": len(samples), "batch_size": batch_size, "dtype": dtype,
+        "hidden_size": H, "num_slots": num_slots, "repeats": repeats,
+        "tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()},
+        "timings": {k: timing_summary(v) for k, v in times.items()},
+        "capture_vs_forward": rnd(speed_ratio(times["capture"], times["forward"])),
+        "split_vs_forward": rnd(speed_ratio(times["split"], times["forward"])),
+        "split_vs_forward_median": rnd(speed_ratio_median(times["split"], times["forward"])),
+        "bytes_per_token": rnd(tree_bytes(split_dir) / tokens, 6),
+        "hidden_bytes_per_token": rnd(tree_bytes(split_dir / "hidden_states") / tokens, 6),
+        "min_bytes_per_token": min_bpt,
+    }
+    res["bytes_per_token_vs_min"] = rnd(res["bytes_per_token"] / min_bpt, 5)
+    if with_stage:
+        res["stage_vs_forward"] = rnd(speed_ratio(times["stage"], times["forward"]))
+    if with_lm_head:
+        res["forward_lm_head_vs_forward"] = rnd(speed_ratio(times["forward_lm_head"],
+                                                            times["forward"]))
+    return res
+
+
+def write_datapath(model, samples, aux_ids, out: Path, dtype: str = "bfloat16") -> Path:
+    """A real speculators datapath (what the extract stage writes) for the training bench."""
+    from eagle3pipe import extract as X
+
+    shutil.rmtree(out, ignore_errors=True)
+    X.extract_split(model, samples, aux_ids, out, X.DTYPES[dtype], 8, progress=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, batch_tokens: int,
+                ttt_steps: int = 3, n_packs: int = 4, repeats: int = 3, lr: float = 1e-3,
+                variants: tuple[str, ...] = ("loop", "speculators_step", "bare_same_chunks")
+                ) -> dict:
+    """tokens/s of the train stage's loop vs a bare speculators step on the same packed batches
+    (the same samples, read through the same ArrowDataset + CollateFn):
+      loop              eagle3pipe.train's loop body: Batches.micro (collate into <= 512-token
+                        micro-batches on CPU), run_batch (bf16 autocast forward, token-weighted
+                        backward, accuracy counts), clip_grad_norm_, AdamW step, LR schedule,
+                        with torch.use_deterministic_algorithms(True) as train() sets on CPU
+      speculators_step  what speculators' Trainer does per step, minus its clipping/scheduler:
+                        collate the pack (padded to batch_tokens), one Eagle3DraftModel forward
+                        under bf16 autocast, backward, AdamW step; no determinism flag
+      bare_same_chunks  the bare forward/backward/step on exactly the loop's micro-batches: the
+                        loop's own overhead (metrics, clipping, schedule, determinism)
+    Both models are built by eagle3pipe.train.build_model from the same seed."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    from eagle3pipe import arch as archmod
+    from eagle3pipe import train as T
+    from eagle3pipe import vocab as V
+    from eagle3pipe.verifier_info import VerifierInfo
+
+    info = VerifierInfo.from_config(verifier_dir)
+    arch = dataclasses.replace(archmod.derive(draft_params, info), dtype="float32")
+    counts = collections.Counter(t for s in samples for t, m in zip(s.input_ids, s.loss_mask)
+                                 if m)
+    d2t, t2d = V.build_mapping(dict(counts), arch.draft_vocab_size, arch.vocab_size)
+    backend = T.backend_for("cpu")
+    collate = CollateFn(batch_tokens, arch.target_hidden_size, num_target_layers=archmod.NUM_AUX,
+                        dtype=backend.data_dtype, preprocess=shift_batch)
+    ds = T.open_datapath(datapath, batch_tokens, backend.data_dtype)
+    T.check_datapath(ds, datapath, arch)
+    data = T.Batches(ds, datapath, collate, backend)
+    all_packs = T.epoch_batches(data.lengths, batch_tokens, 0, 0)
+    packs = all_packs[:n_packs]
+    tokens = sum(min(batch_tokens, sum(data.lengths[i] for i in p)) for p in packs)
+    loss_config = resolve_loss_config(T.LOSS_FN, backend.loss_impl)
+    d = T.Dist()
+    run = dict(ttt_steps=ttt_steps, loss_config=loss_config, backend=backend, d=d)
+
+    def build():
+        torch.manual_seed(0)
+        m = T.build_model(arch, verifier_dir, d2t, t2d, speculative_tokens=ttt_steps,
+                          attn_impl=backend.attn_impl)
+        m.train()
+        params = [x for x in m.parameters() if x.requires_grad]
+        return m, params, torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    fns = {}
+    if "loop" in variants:
+        m_loop, p_loop, opt_loop = build()
+        total = max(1, len(all_packs))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt_loop, T.lr_lambda(min(2, total), total))
+
+        def loop():
+            torch.use_deterministic_algorithms(True)
+            try:
+                for idx in packs:
+                    opt_loop.zero_grad(set_to_none=True)
+                    T.run_batch(m_loop, data.micro(idx), backward=True, **run)
+                    torch.nn.utils.clip_grad_norm_(p_loop, T.GRAD_CLIP)
+                    opt_loop.step()
+                    sched.step()
+            finally:
+                torch.use_deterministic_algorithms(False)
+        fns["loop"] = loop
+
+    def bare_forward_backward(model, chunk, weight):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, _ = model(**chunk, ttt_steps=ttt_steps,
+                               ttt_step_loss_decay=T.TTT_STEP_LOSS_DECAY, loss_config=loss_config)
+        (loss * weight).backward()
+
+    if "speculators_step" in variants:
+        m_sp, _, opt_sp = build()
+
+        def speculators_step():
+            for idx in packs:
+                batch = collate([ds[i] for i in idx])
+                opt_sp.zero_grad()
+                bare_forward_backward(m_sp, batch, 1.0)
+                opt_sp.step()
+        fns["speculators_step"] = speculators_step
+
+    if "bare_same_chunks" in variants:
+        m_bc, _, opt_bc = build()
+
+        def bare_same_chunks():
+            for idx in packs:
+                chunks = data.micro(idx)
+                opt_bc.zero_grad()
+                for chunk, w in zip(chunks, T._weights(chunks)):  # noqa: SLF001
+                    bare_forward_backward(m_bc, chunk, w)
+                opt_bc.step()
+        fns["bare_same_chunks"] = bare_same_chunks
+
+    times = interleave(fns, repeats)
+    res = {"tokens": tokens, "packs": len(packs), "batch_tokens": batch_tokens,
+           "ttt_steps": ttt_steps, "chunk_tokens": backend.chunk_tokens, "repeats": repeats,
+           "hidden_size": arch.hidden_size, "draft_head_dim": arch.head_dim,
+           "draft_vocab_size": arch.draft_vocab_size,
+           "tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()},
+           "timings": {k: timing_summary(v) for k, v in times.items()}}
+    if "loop" in times and "speculators_step" in times:
+        res["loop_vs_speculators_step"] = rnd(speed_ratio(times["loop"],
+                                                          times["speculators_step"]))
+        res["loop_vs_speculators_step_median"] = rnd(speed_ratio_median(
+            times["loop"], times["speculators_step"]))
+    if "loop" in times and "bare_same_chunks" in times:
+        res["loop_vs_bare_same_chunks"] = rnd(speed_ratio(times["loop"],
+                                                          times["bare_same_chunks"]))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling
+
+
+def scaling_draft(draft_params, hidden: int, vocab: int):
+    """The draft for a scaling point: the default's proportions (4 heads, 2 KV heads,
+    head_dim = hidden / 2, MLP = 2.6875 x hidden, i.e. 128 / 688 at hidden 256)."""
+    return dataclasses.replace(draft_params, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=max(2, hidden // 2),
+                               intermediate_size=8 * round(hidden * 2.6875 / 8),
+                               draft_vocab_size=min(1024, vocab // 4), hidden_size=None)
+
+
+def bench_scaling(work: Path, draft_params, *, hiddens, seq_lens, vocab: int, tokens: int,
+                  batch_tokens: int, n_packs: int, repeats: int) -> list[dict]:
+    """Extraction and draft-training throughput of random-init verifiers of the embedded family
+    at each (hidden size, sequence length): samples of length in [3/4 L, L], `tokens` tokens per
+    extraction point, `n_packs` packs of `batch_tokens` per training point."""
+    from eagle3pipe import extract as X
+
+    rows = []
+    for H in hiddens:
+        vdir = random_verifier(work / f"verifier_h{H}", hidden=H, vocab=vocab)
+        model = X.load_verifier(vdir)
+        aux = [1, 2, 3]
+        for L in seq_lens:
+            log(f"scaling: hidden {H}, seq_len {L}")
+            n = max(8, tokens // L)
+            samples = synthetic_samples(n, max(8, 3 * L // 4), L, vocab, seed=H + L)
+            ex = bench_extract(model, samples, aux, work / f"x_h{H}_L{L}", repeats=repeats,
+                               with_stage=False, with_lm_head=False)
+            dp = write_datapath(model, samples, aux, work / f"dp_h{H}_L{L}")
+            bt = max(batch_tokens, L)
+            need = n_packs * bt // L + 1  # enough samples for n_packs full packs
+            if len(samples) < need:
+                samples = synthetic_samples(need, max(8, 3 * L // 4), L, vocab, seed=H + L)
+                dp = write_datapath(model, samples, aux, work / f"dp_h{H}_L{L}")
+            tr = bench_train(vdir, dp, samples, scaling_draft(draft_params, H, vocab),
+                             batch_tokens=bt, n_packs=n_packs, repeats=repeats,
+                             variants=("loop", "speculators_step"))
+            rows.append({
+                "hidden_size": H, "seq_len": L,
+                "extract_tokens_per_s": ex["tokens_per_s"]["split"],
+                "forward_tokens_per_s": ex["tokens_per_s"]["forward"],
+                "extract_vs_forward": ex["split_vs_forward"],
+                "bytes_per_token_vs_min": ex["bytes_per_token_vs_min"],
+                "train_tokens_per_s": tr["tokens_per_s"]["loop"],
+                "speculators_step_tokens_per_s": tr["tokens_per_s"]["speculators_step"],
+                "train_vs_speculators_step": tr["loop_vs_speculators_step"],
+                "train_batch_tokens": bt, "extract_tokens": ex["tokens"],
+                "train_tokens": tr["tokens"],
+            })
+            shutil.rmtree(work / f"x_h{H}_L{L}", ignore_errors=True)
+            shutil.rmtree(work / f"dp_h{H}_L{L}", ignore_errors=True)
+        del model
+    return rows
+
+
+def scaling_tsv(rows: list[dict]) -> str:
+    """Wide TSV for `dvc plots` (x: hidden_size, one column per quantity and sequence length)."""
+    seqs = sorted({r["seq_len"] for r in rows})
+    hiddens = sorted({r["hidden_size"] for r in rows})
+    cols = [f"{q}_seq{L}" for q in ("extract_tokens_per_s", "train_tokens_per_s") for L in seqs]
+    lines = ["\t".join(["hidden_size"] + cols)]
+    for H in hiddens:
+        vals = []
+        for c in cols:
+            q, L = c.rsplit("_seq", 1)
+            r = next((r for r in rows if r["hidden_size"] == H and r["seq_len"] == int(L)), None)
+            vals.append("" if r is None else f"{r[q]:g}")
+        lines.append("\t".join([str(H)] + vals))
+    return "\n".join(lines) + "\n"
+
+
+def scaling_svg(rows: list[dict]) -> str:
+    """A dependency-free SVG: tokens/s against hidden size, one line per sequence length, one
+    panel for extraction and one for training (matplotlib is not in the environment)."""
+    seqs = sorted({r["seq_len"] for r in rows})
+    hiddens = sorted({r["hidden_size"] for r in rows})
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    W, Hh, pad = 360, 260, 50
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" height="{Hh}" '
+             'font-family="sans-serif" font-size="11">',
+             f'<rect width="{2 * W}" height="{Hh}" fill="white"/>']
+    for panel, (key, title) in enumerate((("extract_tokens_per_s", "extraction tokens/s"),
+                                          ("train_tokens_per_s", "draft training tokens/s"))):
+        x0 = panel * W
+        ymax = max(r[key] for r in rows) * 1.1 or 1.0
+        def px(h):
+            i = hiddens.index(h)
+            return x0 + pad + (i / max(1, len(hiddens) - 1)) * (W - 2 * pad)
+
+        def py(v):
+            return Hh - pad + 10 - (v / ymax) * (Hh - 2 * pad)
+        parts.append(f'<text x="{x0 + W / 2}" y="18" text-anchor="middle" '
+                     f'font-size="13">{title}</text>')
+        parts.append(f'<line x1="{x0 + pad}" y1="{py(0)}" x2="{x0 + W - pad}" y2="{py(0)}" '
+                     'stroke="black"/>')
+        parts.append(f'<line x1="{x0 + pad}" y1="{py(0)}" x2="{x0 + pad}" y2="{py(ymax)}" '
+                     'stroke="black"/>')
+        for k in range(5):
+            v = ymax * k / 4
+            parts.append(f'<text x="{x0 + pad - 4}" y="{py(v) + 4}" text-anchor="end">'
+                         f'{v:.0f}</text>')
+        for h in hiddens:
+            parts.append(f'<text x="{px(h)}" y="{py(0) + 14}" text-anchor="middle">{h}</text>')
+        parts.append(f'<text x="{x0 + W / 2}" y="{Hh - 8}" text-anchor="middle">verifier '
+                     'hidden size</text>')
+        for j, L in enumerate(seqs):
+            pts = [(px(r["hidden_size"]), py(r[key])) for r in
+                   sorted(rows, key=lambda r: r["hidden_size"]) if r["seq_len"] == L]
+            c = colors[j % len(colors)]
+            parts.append('<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
+                c, " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)))
+            parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{c}"/>' for x, y in pts]
+            parts.append(f'<text x="{x0 + W - pad}" y="{40 + 14 * j}" text-anchor="end" '
+                         f'fill="{c}">seq_len {L}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -23,22 +23,33 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def interleave(fns: dict[str, Callable[[], float | None]], repeats: int,
-               warmup: int = 1) -> dict[str, list[float]]:
-    """Runs every candidate `warmup` times, then `repeats` rounds in which each runs once,
-    alternating the order between rounds (ABC, CBA, ...) so drift on a noisy machine hits all
-    candidates alike. A candidate returns the seconds it wants counted (work it must redo
-    between runs, e.g. deleting its last output, stays out of the timing) or None: its wall."""
+def interleave(fns: dict[str, Callable[[], float | None]], repeats: int, warmup: int = 1,
+               max_repeats: int | None = None, tol: float = 0.02) -> dict[str, list[float]]:
+    """Runs every candidate `warmup` times, then rounds in which each runs once, alternating
+    the order between rounds (ABC, CBA, ...) so drift on a noisy machine hits all candidates
+    alike. At least `repeats` rounds; then, up to `max_repeats` (default 3 x repeats), more
+    rounds while the last two still improved some candidate's best by more than `tol`: a burst
+    of other work inflates single runs many times over, and the best of N is only a good
+    estimate once a quiet run has been seen. A candidate returns the seconds it wants counted
+    (work it must redo between runs, e.g. deleting its last output, stays out of the timing)
+    or None: its wall time."""
     names = list(fns)
+    max_repeats = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     for _ in range(warmup):
         for n in names:
             fns[n]()
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
+    improved: list[bool] = []
+    for r in range(max_repeats):
+        before = {n: min(times[n]) if times[n] else None for n in names}
         for n in (names if r % 2 == 0 else names[::-1]):
             t0 = time.perf_counter()
             got = fns[n]()
             times[n].append(time.perf_counter() - t0 if got is None else float(got))
+        improved.append(any(b is None or min(times[n]) < (1 - tol) * b
+                            for n, b in before.items()))
+        if r + 1 >= repeats and not any(improved[-2:]):
+            break
     return times
 
 

@@ -97,7 +97,7 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
     min_bpt = num_slots * H * elem
     res = {
         "tokens": tokens, "samples": len(samples), "batch_size": batch_size, "dtype": dtype,
-        "hidden_size": H, "num_slots": num_slots, "repeats": repeats,
+        "hidden_size": H, "num_slots": num_slots, "rounds": len(times["forward"]),
         "tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()},
         "timings": {k: timing_summary(v) for k, v in times.items()},
         "capture_vs_forward": rnd(speed_ratio(times["capture"], times["forward"])),
@@ -230,7 +230,8 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
 
     times = interleave(fns, repeats)
     res = {"tokens": tokens, "packs": len(packs), "batch_tokens": batch_tokens,
-           "ttt_steps": ttt_steps, "chunk_tokens": backend.chunk_tokens, "repeats": repeats,
+           "ttt_steps": ttt_steps, "chunk_tokens": backend.chunk_tokens,
+           "rounds": len(next(iter(times.values()))),
            "hidden_size": arch.hidden_size, "draft_head_dim": arch.head_dim,
            "draft_vocab_size": arch.draft_vocab_size,
            "tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()},
@@ -320,48 +321,58 @@ def scaling_tsv(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scaling_svg(rows: list[dict]) -> str:
-    """A dependency-free SVG: tokens/s against hidden size, one line per sequence length, one
-    panel for extraction and one for training (matplotlib is not in the environment)."""
+def scaling_png(rows: list[dict], path: Path) -> bool:
+    """tokens/s against verifier hidden size, one line per sequence length, one panel for
+    extraction and one for training, drawn with Pillow (pinned in requirements.lock; there is
+    no matplotlib). Returns False when Pillow is missing."""
+    try:
+        from PIL import Image, ImageDraw, ImageFont
+    except ImportError:
+        return False
     seqs = sorted({r["seq_len"] for r in rows})
     hiddens = sorted({r["hidden_size"] for r in rows})
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
-    W, Hh, pad = 360, 260, 50
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" height="{Hh}" '
-             'font-family="sans-serif" font-size="11">',
-             f'<rect width="{2 * W}" height="{Hh}" fill="white"/>']
+    colors = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
+    W, H, left, right, top, bottom = 480, 340, 70, 20, 40, 50
+    img = Image.new("RGB", (2 * W, H), "white")
+    g = ImageDraw.Draw(img)
+    try:
+        font, big = ImageFont.load_default(size=13), ImageFont.load_default(size=15)
+    except TypeError:  # Pillow without FreeType sizes
+        font = big = ImageFont.load_default()
     for panel, (key, title) in enumerate((("extract_tokens_per_s", "extraction tokens/s"),
                                           ("train_tokens_per_s", "draft training tokens/s"))):
         x0 = panel * W
         ymax = max(r[key] for r in rows) * 1.1 or 1.0
+
         def px(h):
             i = hiddens.index(h)
-            return x0 + pad + (i / max(1, len(hiddens) - 1)) * (W - 2 * pad)
+            return x0 + left + (i / max(1, len(hiddens) - 1)) * (W - left - right)
 
         def py(v):
-            return Hh - pad + 10 - (v / ymax) * (Hh - 2 * pad)
-        parts.append(f'<text x="{x0 + W / 2}" y="18" text-anchor="middle" '
-                     f'font-size="13">{title}</text>')
-        parts.append(f'<line x1="{x0 + pad}" y1="{py(0)}" x2="{x0 + W - pad}" y2="{py(0)}" '
-                     'stroke="black"/>')
-        parts.append(f'<line x1="{x0 + pad}" y1="{py(0)}" x2="{x0 + pad}" y2="{py(ymax)}" '
-                     'stroke="black"/>')
+            return H - bottom - (v / ymax) * (H - top - bottom)
+        g.text((x0 + W / 2, 8), title, fill="black", font=big, anchor="mt")
+        g.line([(x0 + left, py(0)), (x0 + W - right, py(0))], fill="black")
+        g.line([(x0 + left, py(0)), (x0 + left, py(ymax))], fill="black")
         for k in range(5):
             v = ymax * k / 4
-            parts.append(f'<text x="{x0 + pad - 4}" y="{py(v) + 4}" text-anchor="end">'
-                         f'{v:.0f}</text>')
+            g.line([(x0 + left - 4, py(v)), (x0 + left, py(v))], fill="black")
+            g.text((x0 + left - 6, py(v)), f"{v:,.0f}", fill="black", font=font, anchor="rm")
         for h in hiddens:
-            parts.append(f'<text x="{px(h)}" y="{py(0) + 14}" text-anchor="middle">{h}</text>')
-        parts.append(f'<text x="{x0 + W / 2}" y="{Hh - 8}" text-anchor="middle">verifier '
-                     'hidden size</text>')
+            g.text((px(h), py(0) + 6), str(h), fill="black", font=font, anchor="mt")
+        g.text((x0 + left + (W - left - right) / 2, H - 8), "verifier hidden size",
+               fill="black", font=font, anchor="mb")
         for j, L in enumerate(seqs):
+            c = colors[j % len(colors)]
             pts = [(px(r["hidden_size"]), py(r[key])) for r in
                    sorted(rows, key=lambda r: r["hidden_size"]) if r["seq_len"] == L]
-            c = colors[j % len(colors)]
-            parts.append('<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
-                c, " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)))
-            parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{c}"/>' for x, y in pts]
-            parts.append(f'<text x="{x0 + W - pad}" y="{40 + 14 * j}" text-anchor="end" '
-                         f'fill="{c}">seq_len {L}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+            if len(pts) > 1:
+                g.line(pts, fill=c, width=2)
+            for x, y in pts:
+                g.ellipse([x - 3, y - 3, x + 3, y + 3], fill=c)
+            g.text((x0 + W - right, top + 16 * j), f"seq_len {L}", fill=c, font=font,
+                   anchor="rt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    img.save(tmp, format="PNG")
+    tmp.replace(path)
+    return True

@@ -114,8 +114,7 @@ def cold_run(params_file: Path, work: Path, name: str) -> tuple[Path, dict]:
                     "num_speculative_tokens": smoke.get("num_speculative_tokens")}
     extract_m = json.loads((repo / "metrics/extract.json").read_text())
     res["extract_metrics"] = {k: extract_m.get(k) for k in
-                              ("bytes_per_token", "min_bytes_per_token", "tokens_per_second",
-                               "tokens")}
+                              ("bytes_per_token", "min_bytes_per_token", "tokens")}
     for s in pipeline.STAGES:
         log(f"  {s:9s} {res['stages'][s]['status']:10s} {res['stages'][s]['seconds']:8.1f} s")
     log(f"  dvc overhead {res['dvc_overhead_s']:.1f} s, check {res['check_s']:.1f} s, "
@@ -148,7 +147,7 @@ def noop_vs_status(repo: Path, repeats: int) -> dict:
             "noop_repro_vs_status": rnd(min(times["repro"]) / min(times["status"])),
             "noop_repro_vs_status_median": rnd(statistics.median(times["repro"])
                                                / statistics.median(times["status"])),
-            "repeats": repeats}
+            "rounds": len(times["status"])}
 
 
 def rebuild(repo: Path, key: str, value) -> dict:
@@ -174,3 +173,21 @@ def other_even(value: int) -> int:
     """Another even head_dim: half of it (>= 2), or double when it is already 2."""
     v = value // 2 if value >= 4 else value * 2
     return v + (v % 2)
+
+
+IMPORTS = {
+    "python": "pass",
+    "torch": "import torch",
+    "transformers_llama": "import torch, transformers; from transformers import LlamaForCausalLM",
+    "speculators_eagle3": "import speculators.models.eagle3",
+    "vllm": "import vllm",
+}
+
+
+def import_floor(repo: Path) -> dict:
+    """Seconds a fresh interpreter needs to import what the stages import (best of 2): every
+    stage command starts one, so this is a floor under each stage's time."""
+    out = {}
+    for name, code in IMPORTS.items():
+        out[name] = rnd(min(timed(repo, "python", "-c", code)[0] for _ in range(2)))
+    return out

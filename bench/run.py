@@ -1,7 +1,7 @@
 """eagle3pipe benchmarks (`make bench`): every figure is a ratio of two things measured side by
 side, interleaved and repeated in this one run (best of N after a warm-up), at a fixed thread
 count, so that a noisy machine moves both sides alike. Writes bench/results.json (canonical JSON),
-bench/scaling.tsv and bench/scaling.svg, and prints a table. See bench/README.md.
+bench/scaling.tsv and bench/scaling.png, and prints a table. See bench/README.md.
 
     python bench/run.py                  # full run (~25 min on 2 cores; the cold default repro
                                          # is most of it)
@@ -22,10 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (ROOT, THREADS, CpuMeter, load_json, log, machine, now_iso, rnd,  # noqa: E402
-                    set_threads, synthetic_samples)
+from common import (ROOT, THREADS, CpuMeter, load_json, log, machine, now_iso,  # noqa: E402
+                    random_verifier, rnd, set_threads, synthetic_samples)
 
 SECTIONS = ("extract", "train", "dvc", "e2e", "scaling")
+STAGES = ("verifier", "configs", "dataset", "vocab", "extract", "train", "export", "smoke")
 MICRO_PARAMS = ROOT / "tests/micro/params.yaml"
 DEFAULT_PARAMS = ROOT / "params.yaml"
 MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layers=4,
@@ -36,9 +37,9 @@ MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layer
 
 # what each mode measures; the targets are the issue's
 MODES = {
-    "quick": dict(extract_repeats=5, n_samples=48, len_range=(48, 128), train_batch_tokens=1024,
+    "quick": dict(extract_repeats=5, n_samples=128, len_range=(64, 256), train_batch_tokens=1024,
                   train_packs=2, train_repeats=3, dvc_repeats=3,
-                  scaling=dict(hiddens=(64, 128), seq_lens=(64, 128), vocab=512, tokens=2048,
+                  scaling=dict(hiddens=(64, 128), seq_lens=(128, 512), vocab=512, tokens=2048,
                                batch_tokens=512, n_packs=2, repeats=2)),
     "full": dict(extract_repeats=3, n_samples=256, len_range=(128, 384), train_batch_tokens=None,
                  train_packs=4, train_repeats=3, dvc_repeats=5,
@@ -68,22 +69,24 @@ def headline_verifier(quick: bool, work: Path):
 
     mode = MODES["quick" if quick else "full"]
     if not quick:
+        vdir = None
         try:
             from eagle3pipe.verifier import model_dir
             vdir = Path(model_dir(ROOT / "artifacts/verifier"))
-        except Exception as e:  # noqa: BLE001 - absent/stale artifacts: fall back below
-            log(f"artifacts/verifier unusable ({e}); using a random-init default-size verifier")
-            vdir = None
+        except Exception as e:  # noqa: BLE001 - absent or stale artifacts: fall back below
+            log(f"artifacts/verifier unusable ({e})")
         if vdir is not None and any(vdir.glob("*.safetensors")):
             info = VerifierInfo.from_config(vdir)
+            name = vdir.relative_to(ROOT) if vdir.is_relative_to(ROOT) else vdir
             ds = ROOT / "artifacts/dataset/train.jsonl"
             if ds.is_file():
-                samples = read_split(ds, info.vocab_size, None)
-                return vdir, samples, f"{vdir.relative_to(ROOT) if vdir.is_relative_to(ROOT) else vdir} + artifacts/dataset/train.jsonl"
+                return vdir, read_split(ds, info.vocab_size, None), \
+                    f"{name} + artifacts/dataset/train.jsonl"
             return vdir, synthetic_samples(mode["n_samples"], *mode["len_range"],
-                                           info.vocab_size), f"{vdir} + synthetic samples"
+                                           info.vocab_size), f"{name} + synthetic samples"
+        log("no default verifier in artifacts/ (run `make repro`): using a random-init "
+            "verifier of the default sizes and synthetic samples")
         e = params.load(DEFAULT_PARAMS).verifier.embedded
-        from common import random_verifier
         vdir = random_verifier(work / "verifier", hidden=e.hidden_size,
                                vocab=e.tokenizer_vocab_size, layers=e.num_hidden_layers)
         return vdir, synthetic_samples(mode["n_samples"], *mode["len_range"],
@@ -121,8 +124,7 @@ def run_extract_train(which: set[str], quick: bool, work: Path, out: dict) -> No
         committed = load_json(ROOT / "metrics/extract.json")
         if committed:
             r["committed_default_run"] = {
-                k: committed.get(k) for k in ("bytes_per_token", "min_bytes_per_token",
-                                              "tokens_per_second")}
+                k: committed.get(k) for k in ("bytes_per_token", "min_bytes_per_token")}
             r["committed_default_run"]["bytes_per_token_vs_min"] = rnd(
                 committed["bytes_per_token"] / committed["min_bytes_per_token"], 5)
         shutil.rmtree(work / "extract", ignore_errors=True)
@@ -151,8 +153,10 @@ def run_dvc(quick: bool, work: Path, out: dict, cache: dict) -> None:
     log(f"  no-op repro {noop['noop_repro']['best_s']} s, status {noop['status']['best_s']} s")
     old = int(PB.pipeline.get_param(repo, "draft.head_dim"))
     rb = PB.rebuild(repo, "draft.head_dim", PB.other_even(old))
+    floor = PB.import_floor(repo)
+    log(f"  import floor (fresh interpreter): {floor}")
     out["dvc"] = {"params": "tests/micro/params.yaml", "cold_micro": cold, **noop,
-                  "head_dim_rebuild": rb}
+                  "head_dim_rebuild": rb, "import_floor_s": floor}
 
 
 def run_e2e(quick: bool, work: Path, out: dict, cache: dict, rebuild: bool) -> None:
@@ -265,12 +269,20 @@ def table(res: dict) -> str:
         lines.append("")
         lines.append(f"{title}: {r['wall_s']:g} s in dvc repro "
                      f"({r['dvc_overhead_s']:g} s DVC start-up/checks/locks)")
-        for s, v in r["stages"].items():
-            lines.append(f"  {s:9s} {v['status']:10s} {v['seconds']:9.2f} s")
+        order = list(STAGES) + sorted(set(r["stages"]) - set(STAGES))  # JSON sorts keys
+        for s in order:
+            v = r["stages"].get(s)
+            if v:
+                lines.append(f"  {s:9s} {v['status']:10s} {v['seconds']:9.2f} s")
 
     e2e = res.get("e2e") or {}
     if e2e.get("cold"):
         stage_table(f"cold repro ({e2e['cold']['params']})", e2e["cold"])
+        lines.append(f"  + eagle3pipe check {e2e['cold']['check_s']:g} s = make repro "
+                     f"{e2e['cold']['make_repro_s']:g} s")
+    if e2e.get("noop_repro_vs_status") is not None:
+        lines.append(f"  no-op repro / status on this repo: {e2e['noop_repro_vs_status']:g} "
+                     f"({e2e['noop_repro']['best_s']:g} s / {e2e['status']['best_s']:g} s)")
     dvc = res.get("dvc") or {}
     if dvc.get("head_dim_rebuild"):
         rb = dvc["head_dim_rebuild"]
@@ -279,11 +291,15 @@ def table(res: dict) -> str:
     if e2e.get("head_dim_rebuild"):
         rb = e2e["head_dim_rebuild"]
         stage_table(f"draft.head_dim {rb['old']} -> {rb['new']} rebuild (default)", rb)
+    if dvc.get("import_floor_s"):
+        lines.append("")
+        lines.append("import floor of a stage process (s): " + ", ".join(
+            f"{k} {v:g}" for k, v in dvc["import_floor_s"].items()))
     for name, key in (("extract", "tokens_per_s"), ("train", "tokens_per_s")):
         sec = res.get(name)
         if sec:
             lines.append("")
-            lines.append(f"{name} tokens/s (best of {sec['repeats']}, {sec['tokens']} tokens, "
+            lines.append(f"{name} tokens/s (best of {sec['rounds']}, {sec['tokens']} tokens, "
                          f"{sec.get('verifier', '')}):")
             lines.append("  " + ", ".join(f"{k} {v:g}" for k, v in sec[key].items()))
     sc = res.get("scaling")
@@ -378,8 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     write_text_atomic(args.out, dumps(res))
     if "scaling" in res and "scaling" in which:
         import compute
-        write_text_atomic(args.out.parent / "scaling.tsv", compute.scaling_tsv(res["scaling"]["rows"]))
-        write_text_atomic(args.out.parent / "scaling.svg", compute.scaling_svg(res["scaling"]["rows"]))
+        rows = res["scaling"]["rows"]
+        write_text_atomic(args.out.parent / "scaling.tsv", compute.scaling_tsv(rows))
+        if not compute.scaling_png(rows, args.out.parent / "scaling.png"):
+            log("Pillow is not importable: no scaling.png (scaling.tsv has the numbers)")
+    for f in ("results.json", "scaling.tsv", "scaling.png"):
+        f = args.out if f == "results.json" else args.out.parent / f
+        if f.exists():
+            f.chmod(0o644)  # mkstemp writes 0600
     print(table(res))
     if res["busy_warning"]:
         print(f"\nWARNING {res['busy_warning']}")

@@ -247,7 +247,8 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
 def test_transformer_layer_config_keeps_explicit_head_dim(inputs):
     from eagle3pipe import render
 
-    cfg = trainmod.transformer_layer_config(inputs.arch, "sdpa")
+    cfg = trainmod.speculator_config(inputs.arch, inputs.verifier, speculative_tokens=3,
+                                     attn_impl="sdpa").transformer_layer_config
     assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
     assert cfg._attn_implementation == "sdpa"
     # the layer trained is the layer the configs stage renders for export

@@ -84,11 +84,11 @@ def flat_config(arch: DraftArch) -> dict:
     }
 
 
-def transformer_layer_config(arch: DraftArch):
+def transformer_layer_config(arch: DraftArch, attn_impl: str | None = None):
     """The draft decoder layer as a transformers LlamaConfig, head_dim explicit."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    cfg = LlamaConfig(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
         num_attention_heads=arch.num_attention_heads,
@@ -97,17 +97,24 @@ def transformer_layer_config(arch: DraftArch):
         rms_norm_eps=arch.rms_norm_eps, rope_parameters=_rope_parameters(arch),
         bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_id,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    if cfg.head_dim != arch.head_dim:  # transformers must never derive it
+        raise AssertionError(f"LlamaConfig head_dim {cfg.head_dim} != {arch.head_dim}")
+    if attn_impl is not None:
+        cfg._attn_implementation = attn_impl
+    return cfg
 
 
-def speculators_config(arch: DraftArch, *, num_speculative_tokens: int, verifier_name_or_path: str,
-                       verifier_architectures: list[str]) -> dict:
-    """speculators 0.9's nested format, produced by speculators' own config classes."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
+def eagle3_config(arch: DraftArch, *, num_speculative_tokens: int, verifier,
+                  attn_impl: str | None = None):
+    """speculators' Eagle3SpeculatorConfig for the draft (aux ids, norm_before_residual and
+    head_dim explicit). `verifier` is a speculators VerifierConfig. Rendering and training both
+    build the draft's config here."""
+    from speculators.config import SpeculatorsConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=transformer_layer_config(arch),
+    return Eagle3SpeculatorConfig(
+        transformer_layer_config=transformer_layer_config(arch, attn_impl),
         draft_vocab_size=arch.draft_vocab_size,
         norm_before_residual=arch.norm_before_residual,
         target_hidden_size=arch.target_hidden_size,
@@ -116,8 +123,17 @@ def speculators_config(arch: DraftArch, *, num_speculative_tokens: int, verifier
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_speculative_tokens)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=verifier_name_or_path,
-                                    architectures=list(verifier_architectures))))
+            verifier=verifier))
+
+
+def speculators_config(arch: DraftArch, *, num_speculative_tokens: int, verifier_name_or_path: str,
+                       verifier_architectures: list[str]) -> dict:
+    """speculators 0.9's nested format, produced by speculators' own config classes."""
+    from speculators.config import VerifierConfig
+
+    cfg = eagle3_config(arch, num_speculative_tokens=num_speculative_tokens,
+                        verifier=VerifierConfig(name_or_path=verifier_name_or_path,
+                                                architectures=list(verifier_architectures)))
     d = json.loads(json.dumps(cfg.to_dict(), default=str))
     d["transformer_layer_config"].pop("transformers_version", None)
     d["dtype"] = arch.dtype

@@ -152,59 +152,18 @@ def load_vocab_map(path: str | Path, arch: archmod.DraftArch) -> tuple[torch.Ten
 # Model
 
 
-def transformer_layer_config(arch: archmod.DraftArch, attn_impl: str | None = None):
-    """The draft decoder layer as a transformers LlamaConfig, head_dim explicit (never derived
-    from hidden/heads) and the rope settings built with speculators' own helper."""
-    from speculators.convert.eagle.utils import build_llama_config_rope_kwargs
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=arch.vocab_size,
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        hidden_act=arch.hidden_act,
-        max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.rms_norm_eps,
-        bos_token_id=arch.bos_token_id,
-        eos_token_id=arch.eos_token_id,
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-        **build_llama_config_rope_kwargs(rope_theta=arch.rope_theta,
-                                         rope_scaling=arch.rope_scaling),
-    )
-    if cfg.head_dim != arch.head_dim:  # transformers must never derive it
-        raise AssertionError(f"LlamaConfig head_dim {cfg.head_dim} != {arch.head_dim}")
-    if attn_impl is not None:
-        cfg._attn_implementation = attn_impl
-    return cfg
-
-
 def speculator_config(arch: archmod.DraftArch, verifier_dir: str | Path, *,
                       speculative_tokens: int, attn_impl: str | None = None):
-    """Eagle3SpeculatorConfig for the draft: aux ids and norm_before_residual explicit,
-    verifier.name_or_path = the verifier model dir (weights are loaded from there)."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    """Eagle3SpeculatorConfig for the draft, built by the same function that renders
+    configs/speculators/config.json; verifier.name_or_path = the verifier model dir (weights
+    are loaded from there)."""
+    from speculators.config import VerifierConfig
 
-    return Eagle3SpeculatorConfig(
-        transformer_layer_config=transformer_layer_config(arch, attn_impl),
-        draft_vocab_size=arch.draft_vocab_size,
-        norm_before_residual=arch.norm_before_residual,
-        target_hidden_size=arch.target_hidden_size,
-        eagle_aux_hidden_state_layer_ids=list(arch.aux_layer_ids),
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
-        ),
-    )
+    from eagle3pipe.render import eagle3_config
+
+    return eagle3_config(arch, num_speculative_tokens=speculative_tokens,
+                         verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
+                         attn_impl=attn_impl)
 
 
 def build_model(arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch.Tensor,

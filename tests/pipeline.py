@@ -27,6 +27,7 @@ def env(repo: Path) -> dict:
     e = dict(os.environ)
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e["EAGLE3PIPE_RUN_LOG"] = str(repo / ".runlog")
+    e["EAGLE3PIPE_PARAMS_TRACE"] = str(repo / ".params_reads")  # every params key a stage reads
     e["PYTHONPATH"] = str(repo / "src")  # the repo's own copy of the code runs, as DVC tracks it
     e["PYTHONHASHSEED"] = "0"
     e["TOKENIZERS_PARALLELISM"] = "false"
@@ -104,3 +105,32 @@ def lock_hashes(repo: Path) -> dict[str, str]:
         for o in body.get("outs", []):
             out[f"{stage}:{o['path']}"] = o.get("md5") or o.get("hash")
     return out
+
+
+def out_hashes(repo: Path) -> dict[str, str]:
+    """Every stage output's hash in dvc.lock, by path."""
+    lock = YAML(typ="safe").load((repo / "dvc.lock").read_text())
+    return {o["path"]: o.get("md5") or o.get("hash")
+            for body in lock["stages"].values() for o in body.get("outs", [])}
+
+
+def unexplained_skips(repo: Path, expected: set[str], ran: set[str],
+                      before: dict[str, str]) -> list[str]:
+    """Stages of the table's row that did not execute although an input of theirs produced by
+    another stage changed bytes. DVC rightly skips a row's stage when every upstream output it
+    reads came out byte-identical (e.g. a float32 copy of hidden states that bf16-autocast
+    training rounds to the same numbers); anything else is a broken promise."""
+    after = out_hashes(repo)
+    stages = YAML(typ="safe").load((repo / "dvc.yaml").read_text())["stages"]
+    lock = YAML(typ="safe").load((repo / "dvc.lock").read_text())["stages"]
+    problems = []
+    for s in sorted(expected - ran):
+        if any(before.get(o["path"]) != (o.get("md5") or o.get("hash"))
+               for o in lock[s].get("outs", [])):
+            continue  # restored from DVC's run-cache (outputs changed without executing)
+        for dep in stages[s].get("deps", []):
+            dep = dep if isinstance(dep, str) else next(iter(dep))
+            for out, h in after.items():
+                if (dep == out or dep.startswith(out + "/")) and before.get(out) != h:
+                    problems.append(f"{s} did not run although its input {dep} ({out}) changed")
+    return problems

@@ -53,7 +53,8 @@ plots: setup
 # make exp SET="draft.head_dim=112"   (several: SET="draft.head_dim=112 train.epochs=2")  # check: ignore (example)
 exp: setup
 	dvc exp run $(foreach s,$(SET),-S $(s))
-	dvc exp show --no-pager --md --drop 'deps|outs' | head -40
+	dvc exp show --no-pager --md --only-changed --drop '^(artifacts|configs|src|stages)/.*' \
+	  --keep 'Experiment|Created|mean_acceptance_length|accept_len'
 
 diff: setup
 	-dvc params diff

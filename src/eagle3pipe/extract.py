@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from eagle3pipe.runtime import atomic_dir, seed_everything, write_json
+from eagle3pipe.runtime import atomic_dir, read_json_object, seed_everything, write_json
 from eagle3pipe.verifier_info import VerifierInfo
 
 log = logging.getLogger(__name__)
@@ -95,14 +95,7 @@ def read_capture(path: str | os.PathLike, info: VerifierInfo | None = None) -> C
     """Reads configs/capture.json and checks it against the verifier (when given)."""
     path = Path(path)
     regen = "regenerate it with `dvc repro configs` (it is derived from params.yaml and the verifier)"
-    if not path.is_file():
-        raise ExtractError(f"{path}: capture config not found; {regen}")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExtractError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {regen}") from None
-    if not isinstance(doc, dict):
-        raise ExtractError(f"{path}: expected a JSON object; {regen}")
+    doc = read_json_object(path, ExtractError, regen, "capture config")
     for key in ("aux_layer_ids", "verifier_num_layers", "hidden_size", "final"):
         if key not in doc:
             raise ExtractError(f"{path}: missing key '{key}'; {regen}")

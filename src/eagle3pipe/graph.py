@@ -9,7 +9,6 @@ known to stop there).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 from pathlib import Path

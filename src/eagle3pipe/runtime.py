@@ -56,6 +56,22 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text_atomic(path, dumps(obj))
 
 
+def read_json_object(path: str | Path, error: type[Exception], fix: str,
+                     what: str = "file") -> dict:
+    """A generated JSON object (what write_json wrote, usually another stage's output). Every
+    failure raises `error` naming the file (and line) and ending with `fix`."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: {what} not found; {fix}")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {fix}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: expected a JSON object; {fix}")
+    return doc
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yields a temporary sibling directory; on success it replaces `path` whole, on failure it

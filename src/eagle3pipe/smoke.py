@@ -20,7 +20,6 @@ timings (timings go to the log).
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import time
@@ -105,17 +104,14 @@ def speculative_tokens(export_dir: str | Path) -> int:
     """k: the serving default the export rendered into the speculators config (the
     default proposal method's `speculative_tokens`)."""
     path = Path(export_dir) / "speculators" / "config.json"
+    cfg = runtime.read_json_object(path, SmokeError, "run `dvc repro export`",
+                                   "exported speculators config")
     try:
-        cfg = json.loads(path.read_text())
         sc = cfg["speculators_config"]
         methods = sc["proposal_methods"]
         default = sc.get("default_proposal_method")
         method = next((m for m in methods if m.get("proposal_type") == default), methods[0])
         k = method["speculative_tokens"]
-    except FileNotFoundError:
-        raise SmokeError(f"{path}: missing (run `dvc repro export`)") from None
-    except json.JSONDecodeError as e:
-        raise SmokeError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     except (KeyError, IndexError, TypeError):
         raise SmokeError(f"{path}: no speculators_config.proposal_methods[*].speculative_tokens;"
                          " it is rendered from draft.num_speculative_tokens by the configs "

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from eagle3pipe import arch as archmod
-from eagle3pipe.runtime import atomic_dir, dumps, seed_everything
+from eagle3pipe.runtime import atomic_dir, dumps, read_json_object, seed_everything
 
 log = logging.getLogger("eagle3pipe.train")
 
@@ -73,14 +73,7 @@ def load_draft_config(path: str | Path) -> archmod.DraftArch:
     to the configured dtype)."""
     p = Path(path)
     fix = "regenerate it with `dvc repro configs`"
-    if not p.is_file():
-        raise TrainInputError(f"{p}: draft config not found; {fix}")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise TrainInputError(f"{p}:{e.lineno}: invalid JSON ({e.msg}); {fix}") from None
-    if not isinstance(d, dict):
-        raise TrainInputError(f"{p}: expected a JSON object; {fix}")
+    d = read_json_object(p, TrainInputError, fix, "draft config")
     missing = [k for k in DRAFT_CONFIG_KEYS if k not in d]
     unknown = sorted(set(d) - set(DRAFT_CONFIG_KEYS) - {"dtype"})
     if missing or unknown:

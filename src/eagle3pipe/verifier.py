@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import logging
 import shutil
 import time
 from pathlib import Path
 
 from eagle3pipe import fingerprint as fp
-from eagle3pipe.runtime import atomic_dir, dumps
+from eagle3pipe.runtime import atomic_dir, dumps, read_json_object
 from eagle3pipe.verifier_info import VerifierConfigError, VerifierInfo
 
 log = logging.getLogger(__name__)
@@ -174,11 +173,7 @@ def read_manifest(verifier_dir: str | Path) -> dict | None:
     p = Path(verifier_dir) / MANIFEST
     if not p.is_file():
         return None
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise VerifierError(f"{p}:{e.lineno}: invalid JSON ({e.msg})\n    fix: rerun "
-                            "`dvc repro -f -s verifier`") from None
+    return read_json_object(p, VerifierError, "fix: rerun `dvc repro -f -s verifier`")
 
 
 def model_dir(verifier_dir: str | Path, *, verify: bool = True) -> Path:

@@ -1,0 +1,51 @@
+"""A stage reading another stage's JSON output: every broken input names the file (and line)
+and the command that regenerates it, whichever stage reads it."""
+import re
+
+import pytest
+
+from eagle3pipe import extract, smoke, train, verifier
+
+# (reader, error class, file it reads relative to the directory it is given, fix it must name)
+READERS = {
+    "extract.read_capture": (lambda d: extract.read_capture(d / "capture.json"),
+                             extract.ExtractError, "capture.json", "dvc repro configs"),
+    "train.load_draft_config": (lambda d: train.load_draft_config(d / "draft_config.json"),
+                                train.TrainInputError, "draft_config.json", "dvc repro configs"),
+    "smoke.speculative_tokens": (lambda d: smoke.speculative_tokens(d),
+                                 smoke.SmokeError, "speculators/config.json", "dvc repro export"),
+    "verifier.read_manifest": (lambda d: verifier.read_manifest(d), verifier.VerifierError,
+                               verifier.MANIFEST, "dvc repro -f -s verifier"),
+}
+BROKEN = {
+    "invalid_json": ('{\n  "a": 1,\n  oops\n}\n', r":3: invalid JSON"),
+    "not_an_object": ("[1, 2, 3]\n", "expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_broken_generated_json_names_file_line_and_fix(tmp_path, reader, broken):
+    read, error, rel, fix = READERS[reader]
+    text, what = BROKEN[broken]
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    with pytest.raises(error) as e:
+        read(tmp_path)
+    msg = str(e.value)
+    assert str(path) in msg and fix in msg, msg
+    assert re.search(what, msg), msg
+
+
+@pytest.mark.parametrize("reader", ["extract.read_capture", "train.load_draft_config",
+                                    "smoke.speculative_tokens"])
+def test_missing_generated_json_names_file_and_fix(tmp_path, reader):
+    read, error, rel, fix = READERS[reader]
+    with pytest.raises(error, match="not found") as e:
+        read(tmp_path)
+    assert str(tmp_path / rel) in str(e.value) and fix in str(e.value)
+
+
+def test_missing_manifest_means_plain_checkpoint(tmp_path):
+    assert verifier.read_manifest(tmp_path) is None

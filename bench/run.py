@@ -3,8 +3,8 @@ side, interleaved and repeated in this one run (best of N after a warm-up), at a
 count, so that a noisy machine moves both sides alike. Writes bench/results.json (canonical JSON),
 bench/scaling.tsv and bench/scaling.png, and prints a table. See bench/README.md.
 
-    python bench/run.py                  # full run (~25 min on 2 cores; the cold default repro
-                                         # is most of it)
+    python bench/run.py                  # full run (~14 min on a quiet 2-core machine; the cold
+                                         # default repro is half of it)
     python bench/run.py --quick          # micro sizes only (a few minutes), results marked quick
     python bench/run.py --only extract,train
     python bench/run.py --skip-e2e       # reuse the previous run's cold repro figures
@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     meter = CpuMeter()
     res: dict = {"quick": args.quick, "date": now_iso(), **machine(), "threads": THREADS,
-                 "command": "python bench/run.py " + " ".join(argv if argv is not None
-                                                              else sys.argv[1:])}
+                 "command": " ".join(["python", "bench/run.py",
+                                     *(argv if argv is not None else sys.argv[1:])])}
     log(f"sections {sorted(which)}, {'quick' if args.quick else 'full'} mode, work dir {work}")
     busy = busy_note()
     if busy:

@@ -19,7 +19,6 @@ timings (timings go to the log).
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -220,7 +219,6 @@ def run_engine(name: str, model_dir: str | Path, prompts: list[list[int]], *,
         except Exception:  # noqa: BLE001 - best effort; the objects are dropped anyway
             pass
         del llm
-        gc.collect()
         vllm_load.cleanup()
     log.info("smoke: %s: generated %d tokens in %.1f s", name, sum(map(len, ids)), gen)
     return EngineRun(name, ids, counters, start, gen)
@@ -300,33 +298,35 @@ def run(s, *, export_dir: str | Path, verifier_dir: str | Path, metrics_path: st
     log.info("smoke: verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
              model_dir, k, len(prompts), max(map(len, prompts)), s.max_tokens)
 
-    # 1. engine-less load check, both formats, before any engine starts
-    problems = []
-    for fmt, d in exports.items():
-        rep = vllm_load.check_draft(model_dir, d, num_speculative_tokens=k,
-                                    kv_cache_gib=s.kv_cache_gib, seed=s.seed,
-                                    max_model_len=max_model_len)
-        log.info("smoke: %s: engine-less load check (%s) %s in %.1f s%s", fmt,
-                 rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
-                 "; shared verifier embedding" if rep.shared_embedding else "")
-        problems += rep.problems
-    if problems:
-        raise SmokeError("engine-less vLLM load check failed (each would start an engine silently "
-                         "broken, or fail inside it):\n"
-                         + "\n".join(f"  - {p}" for p in problems))
+    # the imports' objects out of the cyclic GC's walks while the engines run
+    with vllm_load.frozen_heap():
+        # 1. engine-less load check, both formats, before any engine starts
+        problems = []
+        for fmt, d in exports.items():
+            rep = vllm_load.check_draft(model_dir, d, num_speculative_tokens=k,
+                                        kv_cache_gib=s.kv_cache_gib, seed=s.seed,
+                                        max_model_len=max_model_len)
+            log.info("smoke: %s: engine-less load check (%s) %s in %.1f s%s", fmt,
+                     rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
+                     "; shared verifier embedding" if rep.shared_embedding else "")
+            problems += rep.problems
+        if problems:
+            raise SmokeError("engine-less vLLM load check failed (each would start an engine "
+                             "silently broken, or fail inside it):\n"
+                             + "\n".join(f"  - {p}" for p in problems))
 
-    common = dict(max_tokens=s.max_tokens, kv_cache_gib=s.kv_cache_gib, seed=s.seed,
-                  max_model_len=max_model_len)
-    reference = run_engine("non-speculative", model_dir, prompts, speculative_config=None,
-                           **common)
-    runs = {}
-    for fmt, d in exports.items():
-        runs[fmt] = run_engine(f"eagle3 ({fmt})", model_dir, prompts, speculative_config={
-            "method": "eagle3", "model": str(d), "num_speculative_tokens": k}, **common)
-    runs[NGRAM] = run_engine(NGRAM, model_dir, prompts, speculative_config={
-        "method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_min": s.ngram_prompt_lookup_min,
-        "prompt_lookup_max": s.ngram_prompt_lookup_max}, **common)
+        common = dict(max_tokens=s.max_tokens, kv_cache_gib=s.kv_cache_gib, seed=s.seed,
+                      max_model_len=max_model_len)
+        reference = run_engine("non-speculative", model_dir, prompts, speculative_config=None,
+                               **common)
+        runs = {}
+        for fmt, d in exports.items():
+            runs[fmt] = run_engine(f"eagle3 ({fmt})", model_dir, prompts, speculative_config={
+                "method": "eagle3", "model": str(d), "num_speculative_tokens": k}, **common)
+        runs[NGRAM] = run_engine(NGRAM, model_dir, prompts, speculative_config={
+            "method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_min": s.ngram_prompt_lookup_min,
+            "prompt_lookup_max": s.ngram_prompt_lookup_max}, **common)
 
     detok = _detokenizer(model_dir)
     results = {name: acceptance(r.counters, k, sum(map(len, r.token_ids)))

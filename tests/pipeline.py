@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,32 @@ def repro(repo: Path, *args: str) -> set[str]:
     log.unlink(missing_ok=True)
     sh(repo, "dvc", "repro", *args)
     return set(log.read_text().split()) if log.exists() else set()
+
+
+def start_repro(repo: Path, *args: str) -> subprocess.Popen:
+    """`dvc repro` in the background, output to <repo>.repro.log; finish with finish_repro.
+    Two cold runs at once keep both cores busy: most of a micro stage is its interpreter
+    importing torch, transformers or vLLM, which runs on one core."""
+    (repo / ".runlog").unlink(missing_ok=True)
+    with open(repo.parent / f"{repo.name}.repro.log", "w") as out:
+        return subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=env(repo), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_repro(repo: Path, proc: subprocess.Popen) -> set[str]:
+    """Waits for start_repro's `dvc repro`; the stages whose commands really executed."""
+    if proc.wait() != 0:
+        log = (repo.parent / f"{repo.name}.repro.log").read_text()
+        raise AssertionError(f"dvc repro in {repo} failed ({proc.returncode}):\n{log[-8000:]}")
+    log = repo / ".runlog"
+    return set(log.read_text().split()) if log.exists() else set()
+
+
+def stop_repro(proc: subprocess.Popen) -> None:
+    """Kills start_repro's `dvc repro` and the stage processes it started, if still running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def set_param(repo: Path, key: str, value) -> None:

@@ -9,18 +9,21 @@ import pytest
 
 from eagle3pipe import graph
 
-from pipeline import (STAGES, digest, get_param, lock_hashes, make_repo, out_hashes, repro,
-                      set_param, sh, unexplained_skips)
+from pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, make_repo,
+                      out_hashes, repro, set_param, sh, start_repro, stop_repro,
+                      unexplained_skips)
 
 pytestmark = pytest.mark.slow
 
-# representative keys and the value each is changed to (the expected rows come from
-# eagle3pipe.graph's table, which the README prints; here real DVC must agree with it)
+# representative keys, one per kind of row of eagle3pipe.graph's table (which the README
+# prints), and the value each is changed to; here real DVC must agree with the row. Keys with
+# the same row as one listed (draft.num_key_value_heads, draft.intermediate_size, ...: head_dim's)
+# take the same path through dvc.yaml; test_graph checks the table itself.
 CHANGES = [
     ("draft.head_dim", 32),
     ("draft.aux_layer_ids", [0, 2, 3]),
     ("draft.draft_vocab_size", 96),
-    ("draft.num_key_value_heads", 2),
+    ("draft.num_speculative_tokens", 2),  # configs, export, smoke: training is untouched
     ("train.learning_rate", 0.002),
     ("smoke.max_tokens", 12),
     ("dataset.max_new_tokens", 20),
@@ -30,13 +33,26 @@ CHANGES = [
 
 
 @pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    """One cold run of the micro pipeline, committed."""
-    repo = make_repo(tmp_path_factory.mktemp("pipe") / "repo")
-    ran = repro(repo)
-    sh(repo, "git", "add", "-A")
-    sh(repo, "git", "commit", "-q", "-m", "cold run")
-    return repo, ran
+def cold_pair(tmp_path_factory):
+    """Two fresh repos of the micro pipeline, cold-run at the same time: the first (committed
+    after its run) is the one the other tests change; the second, still running in the
+    background, is compared with it by test_two_cold_clones_give_identical_lock_hashes."""
+    base = tmp_path_factory.mktemp("pipe")
+    repo, second = make_repo(base / "repo"), make_repo(base / "second")
+    bg = start_repro(second)
+    try:
+        ran = repro(repo)
+        sh(repo, "git", "add", "-A")
+        sh(repo, "git", "commit", "-q", "-m", "cold run")
+        yield repo, ran, second, bg
+    finally:
+        stop_repro(bg)
+
+
+@pytest.fixture(scope="module")
+def micro(cold_pair):
+    """One cold run of the micro pipeline, committed: (repo, the stages that ran)."""
+    return cold_pair[:2]
 
 
 def test_cold_run_executes_every_stage_and_then_nothing(micro):
@@ -105,10 +121,9 @@ def test_change_reruns_exactly_the_table_row_and_revert_restores(micro, key, val
     assert {p: digest(repo / p) for p in outputs} == before, f"revert of {key} changed outputs"
 
 
-def test_two_cold_clones_give_identical_lock_hashes(micro, tmp_path):
-    repo, _ = micro
-    other = make_repo(tmp_path / "second")
-    assert repro(other) == set(STAGES)
+def test_two_cold_clones_give_identical_lock_hashes(cold_pair):
+    repo, _, other, bg = cold_pair
+    assert finish_repro(other, bg) == set(STAGES)
     a, b = lock_hashes(repo), lock_hashes(other)
     assert a.keys() == b.keys()
     assert {k for k in a if a[k] != b[k]} == set()

@@ -19,23 +19,10 @@ from common import (interleave, log, random_verifier, rnd, speed_ratio, speed_ra
 
 
 def _batches(samples, batch_size: int, pad_id: int):
-    """The padded batches eagle3pipe.extract.extract_split forms (longest first, right pad)."""
-    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
-    out = []
-    for k in range(0, len(order), batch_size):
-        batch = order[k:k + batch_size]
-        lens = [len(samples[i].input_ids) for i in batch]
-        ids = torch.full((len(batch), max(lens)), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), max(lens)), dtype=torch.long)
-        for r, (i, n) in enumerate(zip(batch, lens)):
-            ids[r, :n] = torch.tensor(samples[i].input_ids, dtype=torch.long)
-            mask[r, :n] = 1
-        out.append((ids, mask))
-    return out
+    """The padded batches eagle3pipe.extract.extract_split forms (its own padded_batches)."""
+    from eagle3pipe.extract import padded_batches
 
-
-def tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return [(ids, mask) for _, _, ids, mask in padded_batches(samples, batch_size, pad_id)]
 
 
 def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size: int = 8,
@@ -103,8 +90,8 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
         "capture_vs_forward": rnd(speed_ratio(times["capture"], times["forward"])),
         "split_vs_forward": rnd(speed_ratio(times["split"], times["forward"])),
         "split_vs_forward_median": rnd(speed_ratio_median(times["split"], times["forward"])),
-        "bytes_per_token": rnd(tree_bytes(split_dir) / tokens, 6),
-        "hidden_bytes_per_token": rnd(tree_bytes(split_dir / "hidden_states") / tokens, 6),
+        "bytes_per_token": rnd(X.tree_bytes(split_dir) / tokens, 6),
+        "hidden_bytes_per_token": rnd(X.tree_bytes(split_dir / "hidden_states") / tokens, 6),
         "min_bytes_per_token": min_bpt,
     }
     res["bytes_per_token_vs_min"] = rnd(res["bytes_per_token"] / min_bpt, 5)

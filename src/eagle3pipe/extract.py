@@ -335,6 +335,22 @@ def _save_dataset(samples: list[Sample], out_dir: Path) -> None:
                            "save_to_disk?); output would not be byte-deterministic")
 
 
+def padded_batches(samples: list[Sample], batch_size: int, pad_id: int
+                   ) -> Iterable[tuple[list[int], list[int], torch.Tensor, torch.Tensor]]:
+    """The batches extract_split runs: samples sorted by length (longest first, ties by row),
+    padded right. Yields (sample indices, lengths, input_ids, attention_mask)."""
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
+    for k in range(0, len(order), batch_size):
+        batch = order[k:k + batch_size]
+        lens = [len(samples[i].input_ids) for i in batch]
+        ids = torch.full((len(batch), max(lens)), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), max(lens)), dtype=torch.long)
+        for r, (i, n) in enumerate(zip(batch, lens)):
+            ids[r, :n] = torch.tensor(samples[i].input_ids, dtype=torch.long)
+            mask[r, :n] = 1
+        yield batch, lens, ids, mask
+
+
 def extract_split(model, samples: list[Sample], aux_ids: list[int], out_dir: Path,
                   dtype: torch.dtype, batch_size: int, pad_id: int = 0,
                   progress: bool = True, desc: str = "extract") -> float:
@@ -344,18 +360,10 @@ def extract_split(model, samples: list[Sample], aux_ids: list[int], out_dir: Pat
     hs_dir = out_dir / "hidden_states"
     hs_dir.mkdir()
     _save_dataset(samples, out_dir)
-    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     seconds = 0.0
     bar = tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", desc=desc,
                disable=not progress, mininterval=1.0)
-    for batch in batches:
-        lens = [len(samples[i].input_ids) for i in batch]
-        ids = torch.full((len(batch), max(lens)), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), max(lens)), dtype=torch.long)
-        for r, (i, n) in enumerate(zip(batch, lens)):
-            ids[r, :n] = torch.tensor(samples[i].input_ids, dtype=torch.long)
-            mask[r, :n] = 1
+    for batch, lens, ids, mask in padded_batches(samples, batch_size, pad_id):
         t0 = time.perf_counter()
         states = capture(model, ids, mask, aux_ids)
         seconds += time.perf_counter() - t0
@@ -368,7 +376,7 @@ def extract_split(model, samples: list[Sample], aux_ids: list[int], out_dir: Pat
     return seconds
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -420,8 +428,8 @@ def run(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
                     spec.verifier_num_layers, "dtype": dtype, "splits": counts}
         write_json(tmp / "manifest.json", manifest)
     tokens = sum(c["tokens"] for c in counts.values())
-    hs_bytes = sum(_tree_bytes(out_dir / n / "hidden_states") for n in SPLITS)
-    total = _tree_bytes(out_dir)
+    hs_bytes = sum(tree_bytes(out_dir / n / "hidden_states") for n in SPLITS)
+    total = tree_bytes(out_dir)
     elem = torch.tensor([], dtype=torch_dtype).element_size()
     metrics = {
         "samples": sum(c["samples"] for c in counts.values()),

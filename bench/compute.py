@@ -139,7 +139,7 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
     from eagle3pipe import arch as archmod
     from eagle3pipe import train as T
     from eagle3pipe import vocab as V
-    from eagle3pipe.verifier_info import VerifierInfo
+    from eagle3pipe.verifier import VerifierInfo
 
     info = VerifierInfo.from_config(verifier_dir)
     arch = dataclasses.replace(archmod.derive(draft_params, info), dtype="float32")

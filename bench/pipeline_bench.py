@@ -74,7 +74,7 @@ def stage_breakdown(lines: list[tuple[float, str]], wall: float, stages) -> dict
 
 def timed_repro(repo: Path, *args: str) -> dict:
     """One `dvc repro` (the real command), broken down by stage; `ran` lists the stages whose
-    commands really executed (EAGLE3PIPE_RUN_LOG, written by params.for_stage)."""
+    commands really executed (EAGLE3PIPE_RUN_LOG, written by eagle3pipe.stage)."""
     runlog = repo / ".runlog"
     runlog.unlink(missing_ok=True)
     wall, lines = timed(repo, "dvc", "repro", *args)

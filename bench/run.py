@@ -65,7 +65,7 @@ def headline_verifier(quick: bool, work: Path):
     synthetic samples). Quick: the micro embedded verifier, built here, synthetic samples."""
     from eagle3pipe import embedded, params
     from eagle3pipe.extract import read_split
-    from eagle3pipe.verifier_info import VerifierInfo
+    from eagle3pipe.verifier import VerifierInfo
 
     mode = MODES["quick" if quick else "full"]
     if not quick:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from eagle3pipe import arch as A
 from eagle3pipe import render
 from eagle3pipe.params import DraftParams
-from eagle3pipe.verifier_info import VerifierInfo
+from eagle3pipe.verifier import VerifierInfo
 
 # Micro draft for the micro verifier of conftest.py (hidden 64, 4 layers, vocab 512).
 MICRO_DRAFT = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32,

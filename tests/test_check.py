@@ -16,7 +16,7 @@ from eagle3pipe import check as C
 from eagle3pipe import cli
 from eagle3pipe import params as P
 from eagle3pipe import render as R
-from eagle3pipe.verifier_info import VerifierInfo
+from eagle3pipe.verifier import VerifierInfo
 
 from conftest import ROOT
 

@@ -2,25 +2,43 @@
 from __future__ import annotations
 
 from eagle3pipe import deps, graph
-from eagle3pipe import params as P
+from eagle3pipe import stage
 
 from conftest import ROOT
 
 
-def test_each_stage_lists_its_script_and_every_module_it_imports():
+def test_each_stage_lists_exactly_its_script_and_the_modules_it_imports():
+    """`eagle3pipe deps --write` generates these; a stale extra reruns a stage for nothing, a
+    missing one lets a code change go unnoticed."""
     stages = graph.load_stages(ROOT / "dvc.yaml")
     for name, body in stages.items():
         listed = {d if isinstance(d, str) else next(iter(d)) for d in body["deps"]}
         script = f"stages/{name}.py"
         assert script in listed, f"stage {name} does not list its own script {script}"
-        missing = set(deps.closure(script, ROOT)) - listed
-        assert not missing, f"dvc.yaml stage {name} runs {sorted(missing)} but does not list it"
+    assert deps.sync(ROOT / "dvc.yaml") == [], "run `eagle3pipe deps --write`"
+
+
+def test_deps_write_fixes_a_stale_dvc_yaml(tmp_path):
+    import shutil
+
+    for d in ("src", "stages"):
+        shutil.copytree(ROOT / d, tmp_path / d)
+    text = (ROOT / "dvc.yaml").read_text()
+    stale = text.replace("      - src/eagle3pipe/vocab.py\n", "      - src/eagle3pipe/embedded.py\n", 1)
+    assert stale != text
+    (tmp_path / "dvc.yaml").write_text(stale)
+    assert deps.sync(tmp_path / "dvc.yaml") == ["vocab: +src/eagle3pipe/vocab.py",
+                                                 "vocab: -src/eagle3pipe/embedded.py"]
+    deps.sync(tmp_path / "dvc.yaml", write=True)
+    assert (tmp_path / "dvc.yaml").read_text() == text
 
 
 def test_declared_params_are_schema_keys():
+    from eagle3pipe import params as P
+
     leaves = P.leaf_keys()
     for name in graph.load_stages(ROOT / "dvc.yaml"):
-        for key in P.declared_params(name, ROOT / "dvc.yaml"):
+        for key in stage.declared_params(name, ROOT / "dvc.yaml"):
             assert any(k == key or k.startswith(key + ".") for k in leaves), \
                 f"stage {name} declares {key}, which params.py does not define"
 

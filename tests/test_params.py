@@ -8,6 +8,7 @@ import pytest
 
 from eagle3pipe import cli
 from eagle3pipe import params as P
+from eagle3pipe import stage
 
 from conftest import ROOT
 
@@ -203,18 +204,18 @@ def test_verifier_config_missing_fields(tmp_path):
 
 
 def test_stage_view_refuses_undeclared_keys():
-    view = P.for_stage("vocab", ROOT / "params.yaml", ROOT / "dvc.yaml")
+    view = stage.for_stage("vocab", ROOT / "params.yaml", ROOT / "dvc.yaml")
     assert view.draft.draft_vocab_size == 1024
-    with pytest.raises(P.UndeclaredParamError, match=r"draft\.head_dim.*stages\.vocab\.params"):
+    with pytest.raises(stage.UndeclaredParamError, match=r"draft\.head_dim.*stages\.vocab\.params"):
         view.draft.head_dim
-    with pytest.raises(P.UndeclaredParamError):
+    with pytest.raises(stage.UndeclaredParamError):
         view.train.seed
 
 
 def test_every_leaf_key_is_declared_by_some_stage():
     from ruamel.yaml import YAML
     stages = YAML(typ="safe").load((ROOT / "dvc.yaml").read_text())["stages"]
-    declared = set().union(*(P.declared_params(s, ROOT / "dvc.yaml") for s in stages))
+    declared = set().union(*(stage.declared_params(s, ROOT / "dvc.yaml") for s in stages))
     params = P.load(ROOT / "params.yaml")
     for key in P.leaf_keys():
         if key.startswith("verifier.embedded.") and params.verifier.embedded is None:

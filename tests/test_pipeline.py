@@ -75,6 +75,7 @@ def test_no_stage_declares_a_key_it_never_reads(micro):
     """Every leaf key a stage declares in dvc.yaml was read by that stage in the cold run (the
     per-stage params view records every read), so no declared key reruns a stage for nothing."""
     from eagle3pipe import params as P
+    from eagle3pipe.stage import declared_params
 
     repo, _ = micro
     reads: dict[str, set[str]] = {}
@@ -83,7 +84,7 @@ def test_no_stage_declares_a_key_it_never_reads(micro):
         reads.setdefault(rec["stage"], set()).update(rec["keys"])
     leaves = P.leaf_keys()
     for stage in STAGES:
-        for d in P.declared_params(stage, repo / "dvc.yaml"):
+        for d in declared_params(stage, repo / "dvc.yaml"):
             for leaf in (k for k in leaves if k == d or k.startswith(d + ".")):
                 if leaf in CONDITIONAL or leaf == "draft.hidden_size":
                     continue  # draft.hidden_size: optional, read only to refuse a mismatch

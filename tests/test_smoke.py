@@ -179,8 +179,8 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
                               threads=2)
     with pytest.raises(smoke.SmokeError) as e:
-        smoke.run(s, export_dir=tmp_path / "export", verifier_dir=micro_verifier,
-                  metrics_path=tmp_path / "m.json", plots_path=tmp_path / "p.json")
+        smoke.measure(s, export_dir=tmp_path / "export", verifier_dir=micro_verifier,
+                      plots_path=tmp_path / "p.json")
     msg = str(e.value)
     assert "engine-less vLLM load check failed" in msg
     assert "export/vllm" in msg and "export/speculators" in msg and "fc.weight missing" in msg

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from eagle3pipe import arch as archmod
 from eagle3pipe import train as trainmod
 from eagle3pipe.params import DraftParams
-from eagle3pipe.verifier_info import VerifierInfo
+from eagle3pipe.verifier import VerifierInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -241,7 +241,8 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
     d["hidden_size"] = d["target_hidden_size"] = 128
     other.write_text(json.dumps(d))
     with pytest.raises(trainmod.TrainInputError, match="hidden_size=128.*stale"):
-        trainmod.check_against_verifier(trainmod.load_draft_config(other), inputs.verifier)
+        trainmod.check_against_verifier(trainmod.load_draft_config(other),
+                                        VerifierInfo.from_config(inputs.verifier))
 
 
 def test_transformer_layer_config_keeps_explicit_head_dim(inputs):

@@ -24,7 +24,7 @@ from test_fingerprint import CONFIG, make_checkpoint, write_safetensors_header
 from eagle3pipe import params as P
 from eagle3pipe import verifier
 from eagle3pipe.arch import ArchError
-from eagle3pipe.verifier_info import VerifierConfigError
+from eagle3pipe.verifier import VerifierConfigError
 
 GiB = 1 << 30
 

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from eagle3pipe.errors import Error
 from eagle3pipe.params import DraftParams, Problem
-from eagle3pipe.verifier_info import VerifierInfo
+from eagle3pipe.verifier import VerifierInfo
 
 NUM_AUX = 3  # vLLM's Eagle3 fc input is fixed at 3 aux layers (speculators 0.8 drafts with 4 failed)
 LAYOUTS = ("speculators", "vllm")
 LAYER_PREFIX = {"speculators": "layers.0", "vllm": "midlayer"}
 
 
-class ArchError(ValueError):
+class ArchError(Error, ValueError):
     def __init__(self, problems: list[Problem]):
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))

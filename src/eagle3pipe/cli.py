@@ -10,7 +10,7 @@ from eagle3pipe import check as C
 from eagle3pipe import params as P
 from eagle3pipe import render as R
 from eagle3pipe.arch import ArchError, derive
-from eagle3pipe.verifier_info import VerifierConfigError, VerifierInfo
+from eagle3pipe.verifier import VerifierConfigError, VerifierInfo
 
 
 def _load(args) -> tuple[P.Params, Path]:
@@ -70,6 +70,18 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_deps(args) -> int:
+    from eagle3pipe import deps
+
+    diffs = deps.sync(args.dvc_yaml, write=args.write)
+    for line in diffs:
+        print(f"{args.dvc_yaml}: {line}")
+    if diffs and not args.write:
+        print("fix: run `eagle3pipe deps --write`", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3pipe", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -86,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--root", default=".", help="repository to scan for hand-written constants")
     c.add_argument("--no-scan", action="store_true")
     c.add_argument("--no-configs", action="store_true", help="skip the derived-configs check")
+    d = sub.add_parser("deps", help="dvc.yaml's code deps vs each stage's import closure")
+    d.add_argument("--dvc-yaml", default="dvc.yaml")
+    d.add_argument("--write", action="store_true", help="rewrite the stale entries in place")
     args = ap.parse_args(argv)
+    if args.cmd == "deps":
+        return cmd_deps(args)
     try:
         return cmd_render(args) if args.cmd == "render" else cmd_check(args)
     except (P.ParamsError, ArchError, VerifierConfigError, FileNotFoundError) as e:

@@ -39,7 +39,9 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle3pipe import corpus
+from eagle3pipe.errors import Error
 from eagle3pipe.runtime import atomic_dir
+from eagle3pipe.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ _FIX = {
 }
 
 
-class DatasetError(ValueError):
+class DatasetError(Error, ValueError):
     """A problem with the stage's inputs or settings that stops the stage."""
 
 
@@ -96,44 +98,6 @@ class ReadReport:
 
 # ---------------------------------------------------------------------------------------------
 # The verifier
-
-
-def model_dir(verifier_dir: str | Path) -> Path:
-    """The verifier's weights directory: eagle3pipe.verifier.model_dir (which also checks that
-    an external checkpoint is unchanged); without that module, the manifest's "path" (path
-    mode) or artifacts/verifier itself (embedded mode)."""
-    try:
-        from eagle3pipe.verifier import model_dir as _model_dir
-    except ModuleNotFoundError as e:
-        if e.name not in ("eagle3pipe.verifier",):
-            raise
-    else:
-        try:
-            return Path(_model_dir(verifier_dir))
-        except ValueError as e:  # VerifierError: a vanished or changed external checkpoint
-            raise DatasetError(str(e)) from None
-    verifier_dir = Path(verifier_dir)
-    manifest = verifier_dir / "manifest.json"
-    if manifest.is_file():
-        path = json.loads(manifest.read_text()).get("path")
-        if path:
-            return Path(path)
-    return verifier_dir
-
-
-def load_tokenizer(verifier_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    verifier_dir = Path(verifier_dir)
-    if not (verifier_dir / "config.json").is_file():
-        raise DatasetError(f"{verifier_dir}: no config.json; run the verifier stage first "
-                           "(dvc repro verifier)")
-    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
-    if not tok.chat_template:
-        raise DatasetError(f"{verifier_dir}: the verifier's tokenizer has no chat template; "
-                           "use an instruction-tuned checkpoint (its tokenizer_config.json or "
-                           "chat_template.jinja must define one)")
-    return tok
 
 
 def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
@@ -187,7 +151,7 @@ def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
 # Prompt sources
 
 
-def check_settings(cfg: Any, verifier_dir: str | Path) -> None:
+def check_settings(cfg: Any, v: Verifier, where: str = "params.yaml") -> None:
     """Settings problems that would otherwise surface deep inside vLLM."""
     need = cfg.max_prompt_tokens + cfg.max_new_tokens + 1  # + a closing token
     if need > cfg.max_seq_len:
@@ -196,14 +160,11 @@ def check_settings(cfg: Any, verifier_dir: str | Path) -> None:
             f"dataset.max_new_tokens ({cfg.max_new_tokens}) + 1 closing token exceeds "
             f"dataset.max_seq_len ({cfg.max_seq_len}); fix: raise dataset.max_seq_len to at "
             f"least {need} or lower the others")
-    config = json.loads((Path(verifier_dir) / "config.json").read_text())
-    config = config.get("text_config", config) if "max_position_embeddings" not in config \
-        else config
-    max_pos = config.get("max_position_embeddings")
+    max_pos = v.get("max_position_embeddings")
     if isinstance(max_pos, int) and cfg.max_seq_len > max_pos:
         raise DatasetError(
             f"params.yaml: dataset.max_seq_len ({cfg.max_seq_len}) exceeds the verifier's "
-            f"max_position_embeddings ({max_pos}, {Path(verifier_dir) / 'config.json'}); "
+            f"max_position_embeddings ({max_pos}, {v.config_path}); "
             f"fix: set dataset.max_seq_len <= {max_pos}")
 
 
@@ -309,16 +270,7 @@ def _vllm_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _config_dtype(verifier_dir: Path) -> str:
-    cfg = json.loads((verifier_dir / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if "dtype" not in cfg and "torch_dtype" not in cfg else cfg
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-    # vLLM's "auto" would downcast a float32 checkpoint; keep what the checkpoint says
-    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
-
-
-def generate(verifier_dir: str | Path, prompts: list[Prompt], cfg: Any, *,
-             weights: str | Path | None = None, progress: bool = True
+def generate(v: Verifier, prompts: list[Prompt], cfg: Any, *, progress: bool = True
              ) -> tuple[list[list[int]], list[str], dict]:
     """Greedy replies of the verifier (vLLM) to each prompt: (token ids, finish reasons, timing).
     Token ids are exactly what the verifier produced, ending with its stop token if it stopped."""
@@ -329,15 +281,13 @@ def generate(verifier_dir: str | Path, prompts: list[Prompt], cfg: Any, *,
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    verifier_dir = Path(verifier_dir)
     # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads with a no-op
     # for the rest of the process; restore both so later work in this process is unaffected
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     t1 = time.perf_counter()
     llm = None
     try:
-        llm = LLM(model=str(weights or model_dir(verifier_dir)), tokenizer=str(verifier_dir),
-                  dtype=_config_dtype(verifier_dir), seed=cfg.seed,
+        llm = LLM(model=str(v.model_dir), tokenizer=str(v.dir), dtype=v.dtype, seed=cfg.seed,
                   max_model_len=cfg.max_seq_len, enforce_eager=current_platform.is_cpu())
         t2 = time.perf_counter()
         sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
@@ -423,10 +373,9 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
           progress: bool = True) -> dict:
     """The dataset stage. `cfg` is the params' `dataset` section. Writes out_dir/{train,eval}.jsonl
     atomically and returns the metrics (counts add up: read = kept + sum(skipped_by_reason))."""
-    verifier_dir = Path(verifier_dir)
-    tokenizer = load_tokenizer(verifier_dir)
-    check_settings(cfg, verifier_dir)
-    weights = model_dir(verifier_dir)  # fails fast on a vanished external checkpoint
+    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    tokenizer = v.tokenizer()
+    check_settings(cfg, v)
     if cfg.source is None:
         prompts, report = stdlib_prompts(cfg, tokenizer, progress=progress)
     else:
@@ -439,8 +388,7 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
                            "above) or point dataset.source at another file")
     log.info("dataset: %d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
-    replies, finish, timing = generate(verifier_dir, prompts, cfg, weights=weights,
-                                       progress=progress)
+    replies, finish, timing = generate(v, prompts, cfg, progress=progress)
     closer = closing_token_id(tokenizer)
     samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, replies)]
     for s in samples:  # guaranteed by check_settings; a broken guarantee must not pass silently
@@ -475,3 +423,8 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
              metrics["assistant_tokens"], timing["generate_s"], timing["new_tokens_per_s"],
              timing["engine_start_s"])
     return metrics
+
+
+def run(params, paths) -> dict:
+    """The stage (eagle3pipe.stage.main): paths.verifier -> paths.out; returns the metrics."""
+    return build(params.dataset, paths.verifier, paths.out, progress=paths.progress)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from eagle3pipe import arch as archmod
+from eagle3pipe.errors import Error
 from eagle3pipe.runtime import atomic_dir
 
 log = logging.getLogger("eagle3pipe.export")
@@ -36,7 +37,7 @@ TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float3
 FORMATS = {"speculators": "speculators", "vllm": "vllm"}  # output subdir -> contract layout
 
 
-class ExportError(ValueError):
+class ExportError(Error, ValueError):
     """The message names the file, tensor or field that is wrong and the fix."""
 
 
@@ -133,7 +134,7 @@ def export(checkpoint: str | Path, speculators_config: str | Path, vllm_config: 
     from safetensors.torch import load_file, save_file
 
     from eagle3pipe.check import check_checkpoint
-    from eagle3pipe.verifier_info import VerifierInfo
+    from eagle3pipe.verifier import VerifierInfo
 
     spec_raw, spec_arch = _read_config(speculators_config, "speculators")
     flat_raw, flat_arch = _read_config(vllm_config, "vllm")
@@ -213,3 +214,13 @@ def speculators_roundtrip(flat_dir: str | Path, speculators_dir: str | Path,
     if conv_cfg.get("norm_before_residual") != cfg["norm_before_residual"]:
         problems.append("converter config lost norm_before_residual")
     return problems
+
+
+def run(params, paths) -> None:
+    """The stage (eagle3pipe.stage.main): paths.checkpoint, .speculators_config, .vllm_config,
+    .verifier -> paths.out. Reads no params: the configs carry the architecture."""
+    summary = export(paths.checkpoint, paths.speculators_config, paths.vllm_config,
+                     paths.verifier, paths.out)
+    for fmt, s in summary.items():
+        log.info("%s/%s: %d tensors, %s, %d bytes", paths.out, fmt, s["tensors"], s["dtype"],
+                 s["bytes"])

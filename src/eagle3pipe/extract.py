@@ -40,7 +40,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from eagle3pipe.runtime import atomic_dir, read_json_object, seed_everything, write_json
-from eagle3pipe.verifier_info import VerifierInfo
+from eagle3pipe.errors import Error
+from eagle3pipe.verifier import Verifier, VerifierInfo
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ FINAL_MODES = ("pre_norm",)
 LAYOUT = "speculators-0.9-arrow"
 
 
-class ExtractError(ValueError):
+class ExtractError(Error, ValueError):
     """A bad input or an output that failed validation; the message names the file and the fix."""
 
 
@@ -75,20 +76,6 @@ class Sample:
     id: str
     input_ids: tuple[int, ...]
     loss_mask: tuple[int, ...]
-
-
-def model_dir(verifier_dir: str | os.PathLike) -> Path:
-    """The directory holding the verifier's weights (path mode: the external checkpoint)."""
-    try:
-        from eagle3pipe.verifier import model_dir as _model_dir
-    except ModuleNotFoundError as e:  # verifier module not written yet: embedded layout
-        if e.name != "eagle3pipe.verifier":
-            raise
-        return Path(verifier_dir)
-    try:
-        return Path(_model_dir(verifier_dir))
-    except ValueError as e:  # VerifierError: names the manifest/checkpoint and the fix
-        raise ExtractError(str(e)) from None
 
 
 def read_capture(path: str | os.PathLike, info: VerifierInfo | None = None) -> CaptureSpec:
@@ -380,7 +367,7 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
+def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
         capture_path: str | os.PathLike, out_dir: str | os.PathLike,
         metrics_path: str | os.PathLike | None, *, dtype: str, batch_size: int, threads: int,
         progress: bool = True) -> dict:
@@ -390,13 +377,11 @@ def run(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
         raise ExtractError(f"extract.dtype={dtype!r}: use one of {sorted(DTYPES)}")
     seed_everything(0, threads)
     torch_dtype = DTYPES[dtype]
-    mdir = model_dir(verifier_dir)
-    info = VerifierInfo.from_config(mdir)
+    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    mdir, info = v.model_dir, v.info
     spec = read_capture(capture_path, info)  # fail fast, before loading weights
-    cfg = json.loads((mdir / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
     splits = {name: read_split(Path(dataset_dir) / f"{name}.jsonl", info.vocab_size,
-                               cfg.get("max_position_embeddings")) for name in SPLITS}
+                               v.get("max_position_embeddings")) for name in SPLITS}
     if not splits["train"]:
         raise ExtractError(f"{Path(dataset_dir) / 'train.jsonl'}: no samples; "
                            "regenerate it with `dvc repro dataset`")
@@ -447,3 +432,15 @@ def run(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     if metrics_path is not None:  # the committed file carries no timing: same inputs, same bytes
         write_json(metrics_path, {k: v for k, v in metrics.items() if k != "tokens_per_second"})
     return metrics
+
+
+def run(params, paths) -> dict:
+    """The stage (eagle3pipe.stage.main): paths.verifier, .dataset, .capture -> paths.out; the
+    returned metrics carry no timing (same inputs, same bytes)."""
+    e = params.extract
+    m = extract(paths.verifier, paths.dataset, paths.capture, paths.out, None, dtype=e.dtype,
+                batch_size=e.batch_size, threads=e.threads, progress=paths.progress)
+    log.info("%d samples, %d tokens, %.0f tokens/s, %.0f bytes/token (min %d) -> %s",
+             m["samples"], m["tokens"], m["tokens_per_second"], m["bytes_per_token"],
+             m["min_bytes_per_token"], paths.out)
+    return {k: v for k, v in m.items() if k != "tokens_per_second"}

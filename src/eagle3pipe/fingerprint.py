@@ -31,6 +31,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eagle3pipe.errors import Error
+
 SAFETENSORS = (".safetensors",)
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz",
                  ".pdparams", ".distcp")
@@ -40,7 +42,7 @@ MODES = ("headers", "full")
 _CHUNK = 8 * 1024 * 1024
 
 
-class FingerprintError(ValueError):
+class FingerprintError(Error, ValueError):
     pass
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 
 from eagle3pipe import params as P
+from eagle3pipe.stage import declared_params
 
 # verifier.embedded keys that change the verifier's config.json (the rest change only weights)
 VERIFIER_CONFIG_KEYS = {"tokenizer_vocab_size", "hidden_size", "num_hidden_layers",
@@ -94,7 +95,7 @@ def invalidation_table(dvc_yaml: str | Path = "dvc.yaml", params_file: str | Pat
         if key.startswith("verifier.embedded.") and params.verifier.embedded is None:
             continue
         declared = [s for s in order if any(key == d or key.startswith(d + ".")
-                                            for d in P.declared_params(s, dvc_yaml))]
+                                            for d in declared_params(s, dvc_yaml))]
         ran: list[str] = []
         changed: set[str] = set()
         for s in order:  # dvc.yaml lists stages in dependency order

@@ -1,12 +1,11 @@
-"""params.yaml: the typed schema, a loader whose errors name file, line and key, and the
-per-stage view that lets a stage read only the keys dvc.yaml declares for it.
+"""params.yaml: the typed schema and a loader whose errors name file, line and key (the per-stage
+view that lets a stage read only the keys dvc.yaml declares is eagle3pipe.stage.for_stage).
 
 The dataclasses below are the schema. A field with no default is required; every field that
 consumers (speculators, vLLM, transformers) default differently has no default here.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
@@ -18,6 +17,8 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+from eagle3pipe.errors import Error
 
 
 def spec(help: str, *, min: float | None = None, choices: tuple | None = None,
@@ -154,7 +155,7 @@ class Problem:
         return text + (f"\n    fix: {self.fix}" if self.fix else "")
 
 
-class ParamsError(ValueError):
+class ParamsError(Error, ValueError):
     def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
         head = f"{len(self.problems)} problem(s) in params:" if len(self.problems) > 1 else ""
@@ -403,83 +404,6 @@ def leaf_keys(cls: type = Params, prefix: str = "") -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-stage view: only the keys dvc.yaml declares for the stage
-
-
-class UndeclaredParamError(KeyError):
-    pass
-
-
-_READS: dict[str, set[str]] = {}
-
-
-def _trace_reads() -> None:
-    out = os.environ.get("EAGLE3PIPE_PARAMS_TRACE")
-    if out and _READS:
-        with open(out, "a") as fh:
-            for stage, keys in sorted(_READS.items()):
-                fh.write(json.dumps({"stage": stage, "keys": sorted(keys)}) + "\n")
-
-
-atexit.register(_trace_reads)
-
-
-class StageView:
-    """Attribute access into Params that raises for keys the stage did not declare."""
-
-    def __init__(self, obj: Any, stage: str, declared: frozenset[str], prefix: str = ""):
-        self._obj, self._stage, self._declared, self._prefix = obj, stage, declared, prefix
-
-    def _allowed(self, key: str) -> bool:
-        return any(key == d or key.startswith(d + ".") for d in self._declared)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        key = self._prefix + name
-        value = getattr(self._obj, name)
-        if dataclasses.is_dataclass(value):
-            if self._allowed(key) or any(d.startswith(key + ".") for d in self._declared):
-                return StageView(value, self._stage, self._declared, key + ".")
-        elif self._allowed(key):
-            _READS.setdefault(self._stage, set()).add(key)
-            return value
-        raise UndeclaredParamError(
-            f"stage '{self._stage}' read params key '{key}', which dvc.yaml does not declare "
-            f"for it; add `- {key}` under stages.{self._stage}.params in dvc.yaml")
-
-
-def declared_params(stage: str, dvc_yaml: str | os.PathLike = "dvc.yaml") -> frozenset[str]:
-    doc = YAML(typ="safe").load(Path(dvc_yaml).read_text())
-    try:
-        entries = doc["stages"][stage].get("params", [])
-    except KeyError:
-        raise KeyError(f"{dvc_yaml}: no stage named '{stage}'") from None
-    keys: set[str] = set()
-    for entry in entries:
-        if isinstance(entry, str):
-            keys.add(entry)
-        elif isinstance(entry, dict):  # {params.yaml: [keys]}
-            for v in entry.values():
-                keys.update(v or [])
-    return frozenset(keys)
-
-
-def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
-              dvc_yaml: str | os.PathLike = "dvc.yaml") -> StageView:
-    """The params a DVC stage may read: validated, and limited to its declared keys.
-
-    Every stage calls this first, so it is also where a stage's execution is recorded: with
-    EAGLE3PIPE_RUN_LOG set, the stage name is appended to that file (tests use it to tell the
-    stages DVC really executed from those it skipped or restored from its run-cache)."""
-    from eagle3pipe.runtime import record_run
-
-    record_run(stage)
-    return StageView(load(params_file), stage, declared_params(stage, dvc_yaml))
-
-
-def lines_of(view: "StageView | Params") -> dict:
-    """Line numbers of the loaded params (for error messages), from a Params or a StageView."""
-    root = view._obj if isinstance(view, StageView) else view
-    return getattr(root, "_lines", {})
+def lines_of(params: Params) -> dict:
+    """Line numbers of the loaded params' keys (for error messages)."""
+    return getattr(params, "_lines", {})

@@ -191,11 +191,11 @@ def render_files(draft, verifier_path: str | None, verifier_config_file: str | P
                  params_file: str = "params.yaml", lines: dict | None = None) -> dict[str, str]:
     """params' draft section + the verifier's config.json -> every derived config's text."""
     from eagle3pipe.arch import derive
-    from eagle3pipe.verifier_info import VerifierInfo
+    from eagle3pipe.verifier import VerifierInfo, read_config
 
     info = VerifierInfo.from_config(verifier_config_file)
     arch = derive(draft, info, params_file=params_file, lines=lines)
-    cfg = json.loads(Path(info.source).read_text())
+    cfg, _, _ = read_config(verifier_config_file)
     return render(arch, verifier_config=cfg, verifier_path=verifier_path,
                   num_speculative_tokens=draft.num_speculative_tokens)
 
@@ -215,3 +215,16 @@ def default_verifier_config(verifier_path: str | None, configs_dir: str | Path =
     raise FileNotFoundError(
         "no verifier config.json found (looked at " + ", ".join(map(str, candidates)) +
         "); run `dvc repro verifier` or pass --verifier-config FILE")
+
+
+def run(params, paths) -> None:
+    """The configs stage (eagle3pipe.stage.main): params.draft + paths.verifier (its config.json)
+    -> every derived config under paths.out; files whose bytes are unchanged are not touched."""
+    import logging
+
+    files = render_files(params.draft, params.verifier.path, paths.verifier,
+                         params_file=params.source, lines=params.lines)
+    changed = {str(c) for c in write(files, paths.out)}
+    for rel in files:
+        state = "written" if str(Path(paths.out) / rel) in changed else "unchanged"
+        logging.getLogger(__name__).info("%s/%s %s", paths.out, rel, state)

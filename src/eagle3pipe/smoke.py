@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3pipe import runtime
+from eagle3pipe.errors import Error
+from eagle3pipe.verifier import Verifier
 
 log = logging.getLogger("eagle3pipe.smoke")
 
@@ -41,7 +43,7 @@ COUNTERS = {
 ROUND = 4
 
 
-class SmokeError(RuntimeError):
+class SmokeError(Error, RuntimeError):
     """A draft that does not load, is not lossless, or does not speculate well enough.
     `metrics` holds what was measured (None when the run stopped before the engines)."""
 
@@ -67,23 +69,6 @@ def configure_environment(kv_cache_gib: float, threads: int) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(threads)
-
-
-def verifier_model_dir(verifier_dir: str | Path) -> Path:
-    """The checkpoint dir vLLM loads: eagle3pipe.verifier.model_dir() (path mode points at the
-    external checkpoint), or the verifier artifact itself before that module exists."""
-    try:
-        from eagle3pipe.verifier import VerifierError, model_dir
-    except ModuleNotFoundError as e:
-        if e.name != "eagle3pipe.verifier":
-            raise
-        return Path(verifier_dir)
-    except ImportError:  # the module exists without model_dir
-        return Path(verifier_dir)
-    try:
-        return Path(model_dir(verifier_dir))
-    except VerifierError as e:
-        raise SmokeError(str(e)) from None
 
 
 def export_dirs(export_dir: str | Path) -> dict[str, Path]:
@@ -120,17 +105,11 @@ def speculative_tokens(export_dir: str | Path) -> int:
     return k
 
 
-def build_prompts(model_dir: str | Path, num_prompts: int, seed: int) -> list[list[int]]:
+def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
     """Held-out corpus snippets as user turns, formatted with the verifier's chat template
     (add_generation_prompt=True) and tokenized once, so vLLM adds no second BOS."""
-    from transformers import AutoTokenizer
-
     from eagle3pipe import corpus
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    if not getattr(tok, "chat_template", None):
-        raise SmokeError(f"{model_dir}: the verifier's tokenizer has no chat template; smoke "
-                         "prompts are chat-formatted like the training data")
     try:
         texts = corpus.snippets("heldout", num_prompts, seed=seed)
     except RuntimeError as e:
@@ -282,18 +261,19 @@ def plot_rows(results: dict[str, dict]) -> list[dict]:
 # the stage
 
 
-def run(s, *, export_dir: str | Path, verifier_dir: str | Path, metrics_path: str | Path,
-        plots_path: str | Path) -> dict:
-    """Runs the smoke test; `s` is the params' `smoke` section. Writes metrics and plot data
-    and returns the metrics; raises SmokeError (with .metrics) when a check fails."""
+def measure(s, *, export_dir: str | Path, verifier_dir: str | Path, plots_path: str | Path
+            ) -> dict:
+    """Runs the smoke test; `s` is the params' `smoke` section. Writes the plot data and
+    returns the metrics; raises SmokeError (with .metrics) when a check fails."""
     configure_environment(s.kv_cache_gib, s.threads)
     runtime.seed_everything(s.seed, s.threads)
     from eagle3pipe import vllm_load
 
     exports = export_dirs(export_dir)
     k = speculative_tokens(export_dir)
-    model_dir = verifier_model_dir(verifier_dir)
-    prompts = build_prompts(model_dir, s.num_prompts, s.seed)
+    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    model_dir, tok = v.model_dir, v.tokenizer()
+    prompts = build_prompts(tok, s.num_prompts, s.seed)
     max_model_len = max(map(len, prompts)) + s.max_tokens + k + 1
     log.info("smoke: verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
              model_dir, k, len(prompts), max(map(len, prompts)), s.max_tokens)
@@ -328,7 +308,7 @@ def run(s, *, export_dir: str | Path, verifier_dir: str | Path, metrics_path: st
             "prompt_lookup_min": s.ngram_prompt_lookup_min,
             "prompt_lookup_max": s.ngram_prompt_lookup_max}, **common)
 
-    detok = _detokenizer(model_dir)
+    detok = tok.decode
     results = {name: acceptance(r.counters, k, sum(map(len, r.token_ids)))
                for name, r in runs.items()}
     failures = []
@@ -377,15 +357,15 @@ def run(s, *, export_dir: str | Path, verifier_dir: str | Path, metrics_path: st
         raise SmokeError("smoke test failed:\n" + "\n".join(f"  - {f}" for f in failures),
                          metrics)
     runtime.write_json(plots_path, plot_rows(results))
-    runtime.write_json(metrics_path, metrics)
     return metrics
 
 
-def _detokenizer(model_dir: str | Path) -> Callable | None:
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        return lambda ids: tok.decode(ids)
-    except Exception:  # noqa: BLE001 - only used to make an error message readable
-        return None
+def run(params, paths) -> dict:
+    """The stage (eagle3pipe.stage.main): paths.export, .verifier -> paths.plots; returns the
+    metrics (the runner writes paths.metrics)."""
+    m = measure(params.smoke, export_dir=paths.export, verifier_dir=paths.verifier,
+                plots_path=paths.plots)
+    for name, length in sorted(m["mean_acceptance_length"].items()):
+        log.info("%s: mean acceptance length %s at k=%d", name, length,
+                 m["num_speculative_tokens"])
+    return m

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 
 from eagle3pipe import arch as archmod
+from eagle3pipe.errors import Error
+from eagle3pipe.verifier import Verifier, VerifierInfo
 from eagle3pipe.runtime import atomic_dir, dumps, read_json_object, seed_everything
 
 log = logging.getLogger("eagle3pipe.train")
@@ -59,7 +61,7 @@ CPU_CHUNK_TOKENS = 512            # CPU: tokens per forward (see backend_for)
 DRAFT_CONFIG_KEYS = tuple(f.name for f in fields(archmod.DraftArch) if f.name != "dtype")
 
 
-class TrainInputError(ValueError):
+class TrainInputError(Error, ValueError):
     """A bad input file: the message names the file, the key and the fix."""
 
 
@@ -86,11 +88,8 @@ def load_draft_config(path: str | Path) -> archmod.DraftArch:
     return archmod.DraftArch(**values, dtype="float32")
 
 
-def check_against_verifier(arch: archmod.DraftArch, verifier_config: str | Path) -> None:
+def check_against_verifier(arch: archmod.DraftArch, v: VerifierInfo) -> None:
     """The draft config must belong to this verifier (configs/ may be stale otherwise)."""
-    from eagle3pipe.verifier_info import VerifierInfo
-
-    v = VerifierInfo.from_config(verifier_config)
     for key, ours, theirs in (("hidden_size", arch.hidden_size, v.hidden_size),
                               ("target_hidden_size", arch.target_hidden_size, v.hidden_size),
                               ("vocab_size", arch.vocab_size, v.vocab_size),
@@ -102,46 +101,6 @@ def check_against_verifier(arch: archmod.DraftArch, verifier_config: str | Path)
                 "the draft config is stale: rerun `dvc repro configs`")
 
 
-def verifier_model_dir(verifier: str | Path) -> Path:
-    """The directory holding the verifier's weights (artifacts/verifier itself in embedded mode;
-    the external checkpoint named by its manifest in path mode)."""
-    try:
-        from eagle3pipe.verifier import model_dir
-    except ImportError:  # the verifier module is not there yet: embedded layout
-        return Path(verifier)
-    return Path(model_dir(verifier))
-
-
-def load_vocab_map(path: str | Path, arch: archmod.DraftArch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [draft_vocab], t2d bool [vocab]), checked for consistency:
-    target ids = arange(draft_vocab) + d2t must be exactly the ascending ids where t2d is set."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / VOCAB_MAP_FILE
-    fix = "rerun `dvc repro vocab`"
-    if not p.is_file():
-        raise TrainInputError(f"{p}: vocab map not found; {fix}")
-    t = load_file(str(p))
-    for name in ("d2t", "t2d"):
-        if name not in t:
-            raise TrainInputError(f"{p}: tensor '{name}' missing; {fix}")
-    d2t, t2d = t["d2t"], t["t2d"]
-    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (arch.draft_vocab_size,):
-        raise TrainInputError(f"{p}: d2t is {d2t.dtype} {list(d2t.shape)}, the draft needs "
-                              f"int64 [{arch.draft_vocab_size}] (draft.draft_vocab_size); {fix}")
-    if t2d.dtype != torch.bool or tuple(t2d.shape) != (arch.vocab_size,):
-        raise TrainInputError(f"{p}: t2d is {t2d.dtype} {list(t2d.shape)}, the draft needs "
-                              f"bool [{arch.vocab_size}] (verifier vocab_size); {fix}")
-    targets = torch.arange(arch.draft_vocab_size) + d2t
-    if not torch.equal(targets, torch.nonzero(t2d).flatten()):
-        raise TrainInputError(f"{p}: d2t and t2d disagree (arange + d2t must list the t2d ids "
-                              f"in ascending order); {fix}")
-    return d2t, t2d
-
-
-# ---------------------------------------------------------------------------------------------
 # Model
 
 
@@ -492,9 +451,9 @@ def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
         torch.use_deterministic_algorithms(True)
 
     arch = load_draft_config(draft_config)
-    vdir = verifier_model_dir(verifier)
-    vcfg = Path(verifier) / "config.json"
-    check_against_verifier(arch, vcfg if vcfg.is_file() else vdir)
+    ver = Verifier(verifier)
+    vdir = ver.model_dir
+    check_against_verifier(arch, ver.info)
     d2t, t2d = load_vocab_map(Path(vocab), arch)
     hidden = Path(hidden)
     collate = CollateFn(p.batch_tokens, arch.target_hidden_size, num_target_layers=archmod.NUM_AUX,
@@ -608,3 +567,14 @@ def _live(metrics_dir: str | Path):
             self._dvc_file = "dvc.yaml"
 
     return FilesOnlyLive(dir=str(metrics_dir), save_dvc_exp=False, dvcyaml=None)
+
+
+def run(params, paths) -> None:
+    """The stage (eagle3pipe.stage.main): paths.draft_config, .verifier, .hidden, .vocab ->
+    paths.out; dvclive writes metrics/train/."""
+    final = train(params.train, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
+                  paths.out, metrics_dir="metrics/train", progress=paths.progress)
+    ev = final.get("eval", {})
+    log.info("%s written; step %s, eval loss %.4f, acceptance length (training estimate) %.2f",
+             paths.out, final.get("step"), ev.get("loss", float("nan")),
+             ev.get("accept_len", float("nan")))

@@ -1,140 +1,111 @@
-"""The verifier stage: build the embedded verifier, or fingerprint an existing checkpoint.
+"""The verifier handle: the only reader of the verifier's files.
 
-Output directory (artifacts/verifier/), always: config.json, the tokenizer files, manifest.json.
-  embedded (verifier.path: null): the whole Hugging Face checkpoint that embedded.build writes
-      (model.safetensors included) and a manifest {"mode": "embedded", "path": null, "files":
-      {name: {"size", "sha256"}}}.
-  path mode (verifier.path: DIR): COPIES of DIR's config.json and tokenizer files (small) and a
-      manifest {"mode": "headers"|"full", "path": DIR resolved to absolute, "files": ...} as
-      fingerprint.py describes. The weights stay where they are; downstream stages load them
-      from `model_dir(artifacts/verifier)`, and depend (through DVC) on the manifest, so a
-      changed header, size, config or tokenizer changes the stage's output and reruns them.
+`Verifier.open(artifacts/verifier)` answers everything a downstream stage asks of the verifier:
+where its weights are (`model_dir`; path mode checks the external checkpoint is still what the
+verifier stage fingerprinted), its decoder config (`config`, with a multimodal wrapper's
+`text_config` unwrapped), the sizes that fix the draft (`info`), its tokenizer and its dtype.
+It never builds anything: building the embedded verifier, or fingerprinting a checkpoint, is
+the verifier stage's (verifier_stage.py, embedded.py), which only that stage imports.
 
-Before anything is written, the verifier is checked against the draft params (arch.derive), so
-a params.yaml that cannot work with this verifier fails here, naming the key and the fix.
+The verifier stage's output directory holds config.json, the tokenizer files and manifest.json:
+  embedded: {"mode": "embedded", "path": null, "files": ...}; the weights are in the directory.
+  path mode: {"mode": "headers"|"full", "path": DIR, "files": ...} (fingerprint.py); the weights
+      stay in DIR.
+A directory without manifest.json (a plain Hugging Face checkpoint) is used as it is.
 """
 from __future__ import annotations
 
-import fnmatch
-import hashlib
-import logging
-import shutil
-import time
+import json
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
-from eagle3pipe import fingerprint as fp
-from eagle3pipe.runtime import atomic_dir, dumps, read_json_object
-from eagle3pipe.verifier_info import VerifierConfigError, VerifierInfo
-
-log = logging.getLogger(__name__)
+from eagle3pipe.errors import Error
+from eagle3pipe.params import Problem
+from eagle3pipe.runtime import read_json_object
 
 MANIFEST = "manifest.json"
-# Small top-level files of a checkpoint that downstream stages read without the weights: the
-# config, the tokenizer in every format transformers knows, the chat template, generation
-# defaults, and remote code (trust_remote_code tokenizers such as Kimi's tokenization_kimi.py).
-COPY_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json", "tokenizer.model", "tiktoken.model",
-                 "*.tiktoken", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
-                 "sentencepiece*.model", "preprocessor_config.json", "processor_config.json",
-                 "*.py")
-COPY_LIMIT = 64 * 1024 * 1024
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-class VerifierError(ValueError):
+class VerifierError(Error, ValueError):
     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# The stage
+class VerifierConfigError(VerifierError):
+    pass
 
 
-def run(vp, out_dir: str | Path, *, draft=None, params_file: str = "params.yaml",
-        lines: dict | None = None, base_dir: str | Path = ".", progress: bool = True) -> dict:
-    """Runs the verifier stage into out_dir (atomically) and returns its metrics.
-
-    vp: the params' `verifier` section (a params.StageView or VerifierParams).
-    draft: the params' `draft` section, used ONLY to validate the verifier against it (arch.derive
-        raises ArchError naming the key); None skips that check. It never changes an output.
-    base_dir: what a relative verifier.path is relative to (the project root, where DVC runs).
-    """
-    if vp.path is None:
-        return _run_embedded(vp.embedded, out_dir, draft=draft, params_file=params_file,
-                             lines=lines, progress=progress)
-    return _run_path(Path(base_dir), vp.path, vp.hash_mode, out_dir, draft=draft,
-                     params_file=params_file, lines=lines, progress=progress)
-
-
-def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
-                lines: dict | None = None):
-    """arch.derive's cross-checks of the draft params against a verifier (raises ArchError)."""
-    from eagle3pipe import arch
-
-    return arch.derive(draft, info, params_file=params_file, lines=lines)
-
-
-def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
-    if draft is not None:  # fail in milliseconds, not after minutes of training
-        planned = VerifierInfo(
-            source=f"{params_file} verifier.embedded (the embedded verifier to be built)",
-            hidden_size=e.hidden_size, num_hidden_layers=e.num_hidden_layers,
-            vocab_size=e.tokenizer_vocab_size, num_attention_heads=e.num_attention_heads,
-            bos_token_id=None, eos_token_id=None, model_type="llama",
-            architectures=("LlamaForCausalLM",))
-        check_draft(draft, planned, params_file=params_file, lines=lines)
-    from eagle3pipe import embedded  # imports torch: after the millisecond check
-
-    t0 = time.perf_counter()
-    with atomic_dir(out_dir) as tmp:
-        metrics = embedded.build(e, tmp, progress=progress)
-        info = VerifierInfo.from_config(tmp / "config.json")
-        if draft is not None:
-            check_draft(draft, info, params_file=params_file, lines=lines)
-        body = fp.fingerprint(tmp, "full", progress=False)
-        manifest = {"mode": "embedded", "path": None, **{k: body[k] for k in ("files",
-                                                                             "n_files",
-                                                                             "total_bytes")}}
-        (tmp / MANIFEST).write_text(dumps(manifest))
-    # timings go to the log: committed metrics must be byte-identical on rerun
-    log.info("verifier: embedded build took %.1f s", time.perf_counter() - t0)
-    return {"mode": "embedded", **metrics, "n_files": manifest["n_files"],
-            "total_bytes": manifest["total_bytes"], "hidden_size": info.hidden_size,
-            "num_hidden_layers": info.num_hidden_layers}
+def read_config(path: str | Path) -> tuple[dict, dict, Path]:
+    """(whole config.json, its decoder part, the file) of a checkpoint dir or config file. A
+    wrapper whose decoder sits under `text_config` (Kimi-K2.5, Llava-style) is unwrapped."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise VerifierConfigError(str(Problem(
+            str(p), None, "(file)", "verifier config.json not found",
+            "set verifier.path to a Hugging Face checkpoint directory, or null for the "
+            "embedded verifier")))
+    try:
+        whole = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise VerifierConfigError(str(Problem(str(p), e.lineno, "(json)",
+                                              f"invalid JSON: {e.msg}", ""))) from None
+    if not isinstance(whole, dict):
+        raise VerifierConfigError(str(Problem(str(p), None, "(json)", "not a JSON object", "")))
+    text = whole.get("text_config")
+    decoder = text if "hidden_size" not in whole and isinstance(text, dict) else whole
+    return whole, decoder, p
 
 
-def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_file, lines,
-              progress) -> dict:
-    src = (base_dir / Path(path).expanduser()).resolve()
-    if not src.is_dir():
-        raise VerifierError(f"{params_file}: verifier.path: {path!r} ({src}) is not a directory"
-                            "\n    fix: point it at a Hugging Face checkpoint directory (the one "
-                            "holding config.json), or set it to null for the embedded verifier")
-    info = VerifierInfo.from_config(src / "config.json")  # decoder-only, hidden/layers/vocab
-    if draft is not None:
-        check_draft(draft, info, params_file=params_file, lines=lines)
-    body, seconds = fp.timed_fingerprint(src, mode, progress=progress)
-    log.info("verifier: %s-mode fingerprint of %s took %.3f s", mode, src, seconds)
-    weights = [n for n in body["files"] if fp.kind_of(n) != "other"]
-    if not weights:
-        log.warning("%s has no weight files: configs can be rendered and checked, but the "
-                    "stages that run the verifier (dataset, extract, smoke) will fail", src)
-    copied = [n for n in body["files"] if "/" not in n and _copied(n, body["files"][n]["size"])]
-    manifest = {"mode": mode, "path": str(src), "copied": copied, **body}
-    with atomic_dir(out_dir) as tmp:
-        for n in copied:
-            shutil.copyfile(src / n, tmp / n)
-            expect = body["files"][n].get("sha256")
-            if expect and _sha256(tmp / n) != expect:
-                raise VerifierError(f"{src / n} changed while the verifier stage was reading it;"
-                                    " rerun the stage")
-        (tmp / MANIFEST).write_text(dumps(manifest))
-    return {"mode": mode, "path": str(src), "n_files": body["n_files"],
-            "total_bytes": body["total_bytes"], "n_weight_files": len(weights),
-            "hidden_size": info.hidden_size,
-            "num_hidden_layers": info.num_hidden_layers, "vocab_size": info.vocab_size}
+@dataclass(frozen=True)
+class VerifierInfo:
+    """The verifier's values that fix the draft (never repeated in params.yaml)."""
+    source: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int | None
+    bos_token_id: int | list | None
+    eos_token_id: int | list | None
+    model_type: str | None
+    architectures: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> "VerifierInfo":
+        _, cfg, p = read_config(path)
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in cfg]
+        if missing:
+            raise VerifierConfigError(str(Problem(
+                str(p), None, ", ".join(missing), "missing from the verifier config",
+                "point verifier.path at a decoder-only checkpoint's config.json")))
+        for k in ("hidden_size", "num_hidden_layers", "vocab_size"):
+            if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
+                raise VerifierConfigError(str(Problem(
+                    str(p), None, k, f"must be a positive integer, got {cfg[k]!r}", "")))
+        return cls(source=str(p), hidden_size=cfg["hidden_size"],
+                   num_hidden_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
+                   num_attention_heads=cfg.get("num_attention_heads"),
+                   bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
+                   model_type=cfg.get("model_type"),
+                   architectures=tuple(cfg.get("architectures") or ()))
+
+
+def read_manifest(verifier_dir: str | Path) -> dict | None:
+    """The verifier stage's manifest, or None for a plain checkpoint directory without one."""
+    p = Path(verifier_dir) / MANIFEST
+    if not p.is_file():
+        return None
+    return read_json_object(p, VerifierError, "fix: rerun `dvc repro -f -s verifier`")
 
 
 def _verify_unchanged(ext: Path, manifest: dict, where: Path) -> None:
+    """Raises unless the external checkpoint is what the manifest fingerprinted (headers mode:
+    seconds for terabytes). DVC cannot see outside the project; this does."""
+    from eagle3pipe import fingerprint as fp
+
     fix = "run `dvc repro -f -s verifier` (the checkpoint changed after the verifier stage ran)"
     then = manifest.get("files", {})
     try:
@@ -155,37 +126,9 @@ def _verify_unchanged(ext: Path, manifest: dict, where: Path) -> None:
                                     f"{then[name][key]}\n    fix: {fix}")
 
 
-def _copied(name: str, size: int) -> bool:
-    return size <= COPY_LIMIT and fp.kind_of(name) == "other" and any(
-        fnmatch.fnmatchcase(name, pat) for pat in COPY_PATTERNS)
-
-
-def _sha256(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# For downstream stages
-
-
-def read_manifest(verifier_dir: str | Path) -> dict | None:
-    """The stage's manifest, or None for a plain checkpoint directory without one."""
-    p = Path(verifier_dir) / MANIFEST
-    if not p.is_file():
-        return None
-    return read_json_object(p, VerifierError, "fix: rerun `dvc repro -f -s verifier`")
-
-
 def model_dir(verifier_dir: str | Path, *, verify: bool = True) -> Path:
-    """Where downstream stages load the verifier's weights and tokenizer from.
-
-    Embedded mode: the stage's output directory itself. Path mode: the external checkpoint the
-    manifest names. With verify (the default; it costs one headers-mode fingerprint: seconds for
-    terabytes), an external checkpoint that vanished, or changed in any way headers mode sees
-    since the stage fingerprinted it (DVC cannot see outside the project), raises VerifierError.
-    A directory without manifest.json (a plain Hugging Face checkpoint, e.g. a test fixture) is
-    returned as it is.
-    """
+    """Where the verifier's weights are: the stage output itself (embedded, or a plain
+    checkpoint dir), or the external checkpoint its manifest names (checked unless verify=False)."""
     d = Path(verifier_dir)
     manifest = read_manifest(d)
     if manifest is None:
@@ -196,15 +139,49 @@ def model_dir(verifier_dir: str | Path, *, verify: bool = True) -> Path:
     if manifest.get("mode") == "embedded" or manifest.get("path") is None:
         return d
     ext = Path(manifest["path"])
-    fix = ("restore it, or set verifier.path to its new location and run "
-           "`dvc repro -f -s verifier`")
     if not ext.is_dir():
         raise VerifierError(f"{d / MANIFEST}: the external verifier checkpoint {ext} no longer "
-                            f"exists\n    fix: {fix}")
+                            "exists\n    fix: restore it, or set verifier.path to its new "
+                            "location and run `dvc repro -f -s verifier`")
     if verify:
         _verify_unchanged(ext, manifest, d / MANIFEST)
     return ext
 
 
-__all__ = ["run", "model_dir", "read_manifest", "check_draft", "VerifierError",
-           "VerifierConfigError", "MANIFEST"]
+class Verifier:
+    """A handle on the verifier stage's output directory (or a plain checkpoint directory)."""
+
+    def __init__(self, directory: str | Path, *, verify: bool = True):
+        self.dir = Path(directory)
+        self.model_dir = model_dir(self.dir, verify=verify)
+        self.whole_config, self.config, self.config_path = read_config(self.dir)
+
+    @cached_property
+    def info(self) -> VerifierInfo:
+        return VerifierInfo.from_config(self.config_path)
+
+    def get(self, key: str) -> Any:
+        """A decoder config value, or None when the config does not have it."""
+        return self.config.get(key)
+
+    @property
+    def dtype(self) -> str:
+        """The checkpoint's own dtype (vLLM's "auto" would downcast a float32 checkpoint)."""
+        for cfg in (self.config, self.whole_config):
+            dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+            if dtype in DTYPES:
+                return dtype
+        raise VerifierConfigError(str(Problem(
+            str(self.config_path), None, "dtype", "missing or not one of " + ", ".join(DTYPES),
+            "write the checkpoint's dtype (\"torch_dtype\") into its config.json")))
+
+    def tokenizer(self, *, chat: bool = True):
+        """The verifier's tokenizer (from the stage's copies); with chat, one with a template."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.dir))
+        if chat and not tok.chat_template:
+            raise VerifierError(f"{self.dir}: the verifier's tokenizer has no chat template\n"
+                                "    fix: use an instruction-tuned checkpoint (its "
+                                "tokenizer_config.json or chat_template.jinja must define one)")
+        return tok

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eagle3pipe.errors import Error
 from eagle3pipe.runtime import atomic_dir, write_json
 
 log = logging.getLogger(__name__)
 
 
-class VocabError(ValueError):
+class VocabError(Error, ValueError):
     pass
 
 
@@ -141,3 +142,13 @@ def build(train_jsonl: str | Path, draft_vocab_size: int, vocab_size: int, out_d
              "%d masked tokens", st["distinct_seen_in_draft_vocab"], st["distinct_tokens_seen"],
              draft_vocab_size, st["coverage"], st["masked_tokens"])
     return st
+
+
+def run(params, paths) -> None:
+    """The stage (eagle3pipe.stage.main): paths.dataset (train.jsonl), paths.verifier_config,
+    paths.out; reads draft.draft_vocab_size."""
+    from eagle3pipe.verifier import VerifierInfo
+
+    info = VerifierInfo.from_config(paths.verifier_config)
+    build(paths.dataset, params.draft.draft_vocab_size, info.vocab_size, paths.out,
+          progress=paths.progress, where=params.where("draft.draft_vocab_size"))

@@ -1,0 +1,165 @@
+"""The stage runner: what every DVC stage script does, done once.
+
+A stage script is a few lines:
+
+    from eagle3pipe import stage, vocab
+    if __name__ == "__main__":
+        stage.main("vocab", vocab.run, paths=("dataset", "verifier_config", "out"))
+
+`main` parses `--params`, `--dvc-yaml`, `--no-progress` and one `--<path>` option per declared
+path (underscores spelled as dashes), records the run ($EAGLE3PIPE_RUN_LOG), loads params.yaml
+once into a view that refuses keys dvc.yaml does not declare for the stage (`for_stage`), sets up
+logging, calls the library's typed `run(params, paths) -> metrics`, and writes the metrics to
+`--metrics` when the stage declares that path. Every eagle3pipe.errors.Error becomes one report
+on stderr (file:line:key and the fix) and exit code errors.EXIT_CODE; nothing else is caught.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ruamel.yaml import YAML
+
+from eagle3pipe import params as P
+from eagle3pipe.errors import EXIT_CODE, Error
+from eagle3pipe.runtime import record_run, write_json
+
+
+class UndeclaredParamError(Error, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+_READS: dict[str, set[str]] = {}
+
+
+def _trace_reads() -> None:
+    """$EAGLE3PIPE_PARAMS_TRACE: the keys each stage really read (tests check none is unread)."""
+    out = os.environ.get("EAGLE3PIPE_PARAMS_TRACE")
+    if out and _READS:
+        with open(out, "a") as fh:
+            for stage, keys in sorted(_READS.items()):
+                fh.write(json.dumps({"stage": stage, "keys": sorted(keys)}) + "\n")
+
+
+atexit.register(_trace_reads)
+
+
+class StageView:
+    """Attribute access into Params that raises for keys the stage did not declare."""
+
+    def __init__(self, obj: Any, stage: str, declared: frozenset[str], prefix: str = "",
+                 root: Any = None):
+        self._obj, self._stage, self._declared, self._prefix = obj, stage, declared, prefix
+        self._root = obj if root is None else root
+
+    def _allowed(self, key: str) -> bool:
+        return any(key == d or key.startswith(d + ".") for d in self._declared)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        key = self._prefix + name
+        value = getattr(self._obj, name)
+        if dataclasses.is_dataclass(value):
+            if self._allowed(key) or any(d.startswith(key + ".") for d in self._declared):
+                return StageView(value, self._stage, self._declared, key + ".", self._root)
+        elif self._allowed(key):
+            _READS.setdefault(self._stage, set()).add(key)
+            return value
+        raise UndeclaredParamError(
+            f"stage '{self._stage}' read params key '{key}', which dvc.yaml does not declare "
+            f"for it; add `- {key}` under stages.{self._stage}.params in dvc.yaml")
+
+    @property
+    def source(self) -> str:
+        """The params file this view was loaded from."""
+        return P.source_of(self._root)
+
+    @property
+    def lines(self) -> dict[str, int | None]:
+        """Line numbers of every loaded key (for error messages; reading them reads no value)."""
+        return getattr(self._root, "_lines", {})
+
+    def where(self, key: str) -> str:
+        """'params.yaml:LINE' for a dotted key, for error messages."""
+        line = self.lines.get(key)
+        return self.source + (f":{line}" if line else "")
+
+    def for_validation(self, section: str) -> Any:
+        """A whole section for a cross-check that can only refuse, never change an output (the
+        verifier stage checks the verifier against `draft` before building it). Such reads are
+        not inputs of the stage, so they are not recorded and need no declaration."""
+        return getattr(self._root, section)
+
+
+def declared_params(stage: str, dvc_yaml: str | os.PathLike = "dvc.yaml") -> frozenset[str]:
+    doc = YAML(typ="safe").load(Path(dvc_yaml).read_text())
+    try:
+        entries = doc["stages"][stage].get("params", [])
+    except KeyError:
+        raise Error(f"{dvc_yaml}: no stage named '{stage}'") from None
+    keys: set[str] = set()
+    for entry in entries:
+        if isinstance(entry, str):
+            keys.add(entry)
+        elif isinstance(entry, dict):  # {params.yaml: [keys]}
+            for v in entry.values():
+                keys.update(v or [])
+    return frozenset(keys)
+
+
+def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
+              dvc_yaml: str | os.PathLike = "dvc.yaml") -> StageView:
+    """The params a DVC stage may read: validated, and limited to its declared keys."""
+    return StageView(P.load(params_file), stage, declared_params(stage, dvc_yaml))
+
+
+class Paths(argparse.Namespace):
+    """The stage's declared paths as Path objects, plus `progress` (False with --no-progress)."""
+
+    progress: bool
+
+
+def parse(stage: str, paths: tuple[str, ...], argv: list[str] | None, doc: str | None
+          ) -> tuple[argparse.Namespace, Paths]:
+    ap = argparse.ArgumentParser(prog=f"stages/{stage}.py", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--dvc-yaml", default="dvc.yaml",
+                    help="the stage graph that declares which params keys this stage may read")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for name in paths:
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, required=True, type=Path)
+    a = ap.parse_args(argv)
+    out = Paths(progress=not a.no_progress, **{n: getattr(a, n) for n in paths})
+    return a, out
+
+
+def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
+         paths: tuple[str, ...], argv: list[str] | None = None, doc: str | None = None,
+         exit: bool = True) -> int:
+    """Runs one stage; returns (or exits with) 0, or errors.EXIT_CODE on an Error."""
+    a, p = parse(stage, paths, argv, doc)
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {stage}: %(message)s",
+                        stream=sys.stderr)
+    record_run(stage)
+    try:
+        view = for_stage(stage, a.params, a.dvc_yaml)
+        metrics = run(view, p)
+        if "metrics" in paths:
+            write_json(p.metrics, metrics)
+        code = 0
+    except Error as e:
+        print(f"{stage}: error: {e}", file=sys.stderr)
+        code = EXIT_CODE
+    if exit:
+        sys.exit(code)
+    return code

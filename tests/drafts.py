@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe import arch as A
-from eagle3pipe import render
+from eagle3pipe import formats as render
 from eagle3pipe.params import DraftParams
 from eagle3pipe.verifier import VerifierInfo
 

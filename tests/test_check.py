@@ -15,7 +15,7 @@ from eagle3pipe import arch as A
 from eagle3pipe import check as C
 from eagle3pipe import cli
 from eagle3pipe import params as P
-from eagle3pipe import render as R
+from eagle3pipe import formats as R
 from eagle3pipe.verifier import VerifierInfo
 
 from conftest import ROOT

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from eagle3pipe import arch as archmod
 from eagle3pipe import export as exportmod
-from eagle3pipe import render
+from eagle3pipe import formats as render
 from eagle3pipe import train as trainmod
 from eagle3pipe.check import check_checkpoint
 

@@ -246,7 +246,7 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
 
 
 def test_transformer_layer_config_keeps_explicit_head_dim(inputs):
-    from eagle3pipe import render
+    from eagle3pipe import formats as render
 
     cfg = trainmod.speculator_config(inputs.arch, inputs.verifier, speculative_tokens=3,
                                      attn_impl="sdpa").transformer_layer_config

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from eagle3pipe import arch as A
-from eagle3pipe.render import FLAT_ARCHITECTURE, VLLM_READS
+from eagle3pipe.formats import FLAT_ARCHITECTURE, VLLM_READS
 
 ST_DTYPES = {"BF16", "F16", "F32", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL"}
 

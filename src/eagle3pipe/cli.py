@@ -8,7 +8,7 @@ from pathlib import Path
 
 from eagle3pipe import check as C
 from eagle3pipe import params as P
-from eagle3pipe import render as R
+from eagle3pipe import formats as R
 from eagle3pipe.arch import ArchError, derive
 from eagle3pipe.verifier import VerifierConfigError, VerifierInfo
 

@@ -55,7 +55,7 @@ def _mutated(value):
 
 def changed_configs(params: P.Params, key: str, verifier_config: Path) -> set[str]:
     """Which configs/ files change when `key` (a draft.* or verifier.path key) changes."""
-    from eagle3pipe import render
+    from eagle3pipe import formats as render
 
     base = render.render_files(params.draft, params.verifier.path, verifier_config)
     section, leaf = key.split(".", 1)
@@ -84,7 +84,7 @@ def changed_configs(params: P.Params, key: str, verifier_config: Path) -> set[st
 
 def invalidation_table(dvc_yaml: str | Path = "dvc.yaml", params_file: str | Path = "params.yaml",
                        verifier_config: Path | None = None) -> dict[str, list[str]]:
-    from eagle3pipe import render
+    from eagle3pipe import formats as render
 
     stages = load_stages(dvc_yaml)
     params = P.load(params_file)

@@ -111,7 +111,7 @@ def speculator_config(arch: archmod.DraftArch, verifier_dir: str | Path, *,
     are loaded from there)."""
     from speculators.config import VerifierConfig
 
-    from eagle3pipe.render import eagle3_config
+    from eagle3pipe.formats import eagle3_config
 
     return eagle3_config(arch, num_speculative_tokens=speculative_tokens,
                          verifier=VerifierConfig.from_pretrained(str(verifier_dir)),

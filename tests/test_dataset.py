@@ -28,7 +28,9 @@ def cfg(**kw):
 
 @pytest.fixture(scope="module")
 def tokenizer(micro_verifier):
-    return dataset.load_tokenizer(micro_verifier)
+    from eagle3pipe.verifier import Verifier
+
+    return Verifier(micro_verifier).tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +296,12 @@ def test_dataset_and_vocab_stage_scripts(micro_verifier, tmp_path):
     # a bad params value fails cleanly, naming the file
     params.write_text(edit_params(params.read_text(), max_seq_len=16))
     r = subprocess.run([sys.executable, str(ROOT / "stages/dataset.py"), *common,
-                        "--verifier", str(micro_verifier), "--out", "artifacts/dataset2"],
+                        "--verifier", str(micro_verifier), "--out", "artifacts/dataset2",
+                        "--metrics", "m2.json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "dataset.max_seq_len" in r.stderr
+    line = next(i for i, t in enumerate(params.read_text().splitlines(), 1)
+                if t.strip().startswith("max_seq_len:"))
+    assert r.returncode == 2 and f"{params}:{line}: dataset.max_seq_len" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "artifacts/dataset2").exists()
     assert "Traceback" not in r.stderr and not (tmp_path / "artifacts/dataset2").exists()
     shutil.rmtree(tmp_path / "artifacts")

@@ -75,7 +75,7 @@ def model(micro_verifier):
 def extracted(micro_verifier, tmp_path_factory):
     root = tmp_path_factory.mktemp("extract")
     ds, cap = _write_inputs(root, micro_verifier)
-    metrics = extract.run(micro_verifier, ds, cap, root / "hidden", root / "metrics.json",
+    metrics = extract.extract(micro_verifier, ds, cap, root / "hidden", root / "metrics.json",
                           dtype="bfloat16", batch_size=2, threads=2, progress=False)
     return root, ds, cap, metrics
 
@@ -211,7 +211,7 @@ def test_speculators_arrow_dataset_reads_output(extracted, model):
 
 def test_byte_identical_on_rerun(extracted, micro_verifier, tmp_path):
     root, ds, cap, _ = extracted
-    extract.run(micro_verifier, ds, cap, tmp_path / "again", None, dtype="bfloat16",
+    extract.extract(micro_verifier, ds, cap, tmp_path / "again", None, dtype="bfloat16",
                 batch_size=2, threads=2, progress=False)
     first, second = _files(root / "hidden"), _files(tmp_path / "again")
     assert sorted(first) == sorted(second)
@@ -253,7 +253,7 @@ def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_
     cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 4,
                                "hidden_size": 256, "final": "pre_norm"}))
     with pytest.raises(ExtractError) as e:
-        extract.run(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
+        extract.extract(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
                     batch_size=2, threads=2, progress=False)
     assert "hidden_size=256" in str(e.value) and "hidden_size=64" in str(e.value)
     assert "dvc repro configs" in str(e.value) and str(cap) in str(e.value)
@@ -264,7 +264,7 @@ def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_
     cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 6,
                                "hidden_size": 64, "final": "pre_norm"}))
     with pytest.raises(ExtractError, match="num_hidden_layers=4"):
-        extract.run(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
+        extract.extract(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
                     batch_size=2, threads=2, progress=False)
     assert not (tmp_path / "out").exists()
     lines = (ds / "eval.jsonl").read_text().splitlines()

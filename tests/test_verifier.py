@@ -22,7 +22,7 @@ from conftest import MICRO_EMBEDDED, ROOT
 from test_fingerprint import CONFIG, make_checkpoint, write_safetensors_header
 
 from eagle3pipe import params as P
-from eagle3pipe import verifier
+from eagle3pipe import verifier, verifier_stage
 from eagle3pipe.arch import ArchError
 from eagle3pipe.verifier import VerifierConfigError
 
@@ -76,7 +76,7 @@ def run_stage(cwd: Path, params_file: Path, out="out/verifier", metrics="metrics
 def test_path_mode_writes_copies_and_manifest_of_a_20gb_checkpoint_in_seconds(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=4, shard_gib=5.0)
     t0 = time.perf_counter()
-    m = verifier.run(vparams(ckpt), tmp_path / "out", draft=draft(), progress=False)
+    m = verifier_stage.build(vparams(ckpt), tmp_path / "out", draft=draft(), progress=False)
     assert time.perf_counter() - t0 < 5.0
     out = tmp_path / "out"
     copied = sorted(p.name for p in out.iterdir())
@@ -98,22 +98,22 @@ def du(d: Path) -> int:
 
 def test_path_mode_manifest_is_byte_identical_on_rerun_and_follows_headers(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=2, shard_gib=1.0)
-    verifier.run(vparams(ckpt), tmp_path / "a", progress=False)
-    verifier.run(vparams(ckpt), tmp_path / "b", progress=False)
+    verifier_stage.build(vparams(ckpt), tmp_path / "a", progress=False)
+    verifier_stage.build(vparams(ckpt), tmp_path / "b", progress=False)
     assert (tmp_path / "a/manifest.json").read_bytes() == (tmp_path / "b/manifest.json").read_bytes()
     rows = int(1.0 * GiB) // (2 * 4096)
     write_safetensors_header(ckpt / "model-00001-of-00002.safetensors",
                              {"model.layers.0.mlp.weight": ("BF16", [rows, 4096]),
                               "model.layers.0.input_layernorm.weight": ("BF16", [4096])},
                              metadata={"format": "pt", "requantised": "yes"})
-    verifier.run(vparams(ckpt), tmp_path / "c", progress=False)
+    verifier_stage.build(vparams(ckpt), tmp_path / "c", progress=False)
     assert (tmp_path / "a/manifest.json").read_bytes() != (tmp_path / "c/manifest.json").read_bytes()
 
 
 def test_model_dir_path_mode_and_a_vanished_or_changed_checkpoint(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=2, shard_gib=1.0)
     out = tmp_path / "out"
-    verifier.run(vparams(ckpt), out, progress=False)
+    verifier_stage.build(vparams(ckpt), out, progress=False)
     assert verifier.model_dir(out) == ckpt.resolve()
     shard = ckpt / "model-00002-of-00002.safetensors"
     # DVC cannot see outside the project: model_dir notices what the headers mode would.
@@ -160,31 +160,31 @@ def test_path_without_config_json_names_the_file(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=1, shard_gib=0.1)
     (ckpt / "config.json").unlink()
     with pytest.raises(VerifierConfigError, match=r"ckpt/config\.json.*not found"):
-        verifier.run(vparams(ckpt), tmp_path / "out", progress=False)
+        verifier_stage.build(vparams(ckpt), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
     with pytest.raises(verifier.VerifierError, match="not a directory"):
-        verifier.run(vparams(tmp_path / "nowhere"), tmp_path / "out", progress=False)
+        verifier_stage.build(vparams(tmp_path / "nowhere"), tmp_path / "out", progress=False)
 
 
 def test_non_decoder_config_is_rejected(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=1, shard_gib=0.1,
                            config={"model_type": "vit", "image_size": 224})
     with pytest.raises(VerifierConfigError, match="hidden_size, num_hidden_layers, vocab_size"):
-        verifier.run(vparams(ckpt), tmp_path / "out", progress=False)
+        verifier_stage.build(vparams(ckpt), tmp_path / "out", progress=False)
 
 
 def test_draft_incompatible_with_the_verifier_fails_before_writing(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=1, shard_gib=0.1)  # 8 layers
     out = tmp_path / "out"
     with pytest.raises(ArchError, match=r"draft.aux_layer_ids.*outside the verifier's layers 0\.\.7"):
-        verifier.run(vparams(ckpt), out, draft=draft(aux_layer_ids=[1, 4, 8]), progress=False)
+        verifier_stage.build(vparams(ckpt), out, draft=draft(aux_layer_ids=[1, 4, 8]), progress=False)
     assert not out.exists()
 
 
 def test_embedded_draft_check_fails_before_training(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(ArchError, match="draft.draft_vocab_size"):
-        verifier.run(vparams(None), tmp_path / "out", draft=draft(draft_vocab_size=100000),
+        verifier_stage.build(vparams(None), tmp_path / "out", draft=draft(draft_vocab_size=100000),
                      progress=False)
     assert time.perf_counter() - t0 < 10.0  # training alone takes > 15 s
     assert not (tmp_path / "out").exists()
@@ -192,7 +192,7 @@ def test_embedded_draft_check_fails_before_training(tmp_path):
 
 def test_full_hash_mode_records_every_files_sha256(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", shards=2, shard_gib=0.01)
-    verifier.run(vparams(ckpt, hash_mode="full"), tmp_path / "out", progress=False)
+    verifier_stage.build(vparams(ckpt, hash_mode="full"), tmp_path / "out", progress=False)
     man = json.loads((tmp_path / "out/manifest.json").read_text())
     assert man["mode"] == "full"
     assert all(len(e["sha256"]) == 64 for e in man["files"].values())

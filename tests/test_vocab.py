@@ -119,6 +119,6 @@ def test_stage_script_refuses_draft_vocab_larger_than_vocab(tmp_path):
                         "--verifier-config", str(config),
                         "--out", "vocab"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert f"params.yaml:{lineno}: draft.draft_vocab_size (1024) exceeds" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "vocab").exists()

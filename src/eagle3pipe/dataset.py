@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
@@ -151,21 +151,23 @@ def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
 # Prompt sources
 
 
-def check_settings(cfg: Any, v: Verifier, where: str = "params.yaml") -> None:
-    """Settings problems that would otherwise surface deep inside vLLM."""
+def check_settings(cfg: Any, v: Verifier, where: Callable[[str], str] = lambda key: "params.yaml"
+                   ) -> None:
+    """Settings problems that would otherwise surface deep inside vLLM. `where(key)` names the
+    params file and line of a key (eagle3pipe.stage.StageView.where)."""
     need = cfg.max_prompt_tokens + cfg.max_new_tokens + 1  # + a closing token
     if need > cfg.max_seq_len:
         raise DatasetError(
-            f"params.yaml: dataset.max_prompt_tokens ({cfg.max_prompt_tokens}) + "
-            f"dataset.max_new_tokens ({cfg.max_new_tokens}) + 1 closing token exceeds "
-            f"dataset.max_seq_len ({cfg.max_seq_len}); fix: raise dataset.max_seq_len to at "
+            f"{where('dataset.max_seq_len')}: dataset.max_seq_len ({cfg.max_seq_len}) is shorter "
+            f"than dataset.max_prompt_tokens ({cfg.max_prompt_tokens}) + dataset.max_new_tokens "
+            f"({cfg.max_new_tokens}) + 1 closing token", f"raise dataset.max_seq_len to at "
             f"least {need} or lower the others")
     max_pos = v.get("max_position_embeddings")
     if isinstance(max_pos, int) and cfg.max_seq_len > max_pos:
         raise DatasetError(
-            f"params.yaml: dataset.max_seq_len ({cfg.max_seq_len}) exceeds the verifier's "
-            f"max_position_embeddings ({max_pos}, {v.config_path}); "
-            f"fix: set dataset.max_seq_len <= {max_pos}")
+            f"{where('dataset.max_seq_len')}: dataset.max_seq_len ({cfg.max_seq_len}) exceeds the "
+            f"verifier's max_position_embeddings ({max_pos}, {v.config_path})",
+            f"set dataset.max_seq_len <= {max_pos}")
 
 
 def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> tuple[list[Prompt],
@@ -370,12 +372,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
-          progress: bool = True) -> dict:
+          progress: bool = True, where: Callable[[str], str] = lambda key: "params.yaml") -> dict:
     """The dataset stage. `cfg` is the params' `dataset` section. Writes out_dir/{train,eval}.jsonl
     atomically and returns the metrics (counts add up: read = kept + sum(skipped_by_reason))."""
     v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
     tokenizer = v.tokenizer()
-    check_settings(cfg, v)
+    check_settings(cfg, v, where)
     if cfg.source is None:
         prompts, report = stdlib_prompts(cfg, tokenizer, progress=progress)
     else:
@@ -386,7 +388,7 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
         raise DatasetError(f"{report.source}: no usable conversation among {report.read} read "
                            f"(skipped: {reasons or 'none'}); fix the input (see the warnings "
                            "above) or point dataset.source at another file")
-    log.info("dataset: %d prompts from %s (%d skipped); generating with vLLM",
+    log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
     replies, finish, timing = generate(v, prompts, cfg, progress=progress)
     closer = closing_token_id(tokenizer)
@@ -416,7 +418,7 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
         "new_tokens": timing["new_tokens"],
     }  # timings go to the log only: committed metrics must be byte-identical on rerun
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
-    log.info("dataset: read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
+    log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
              "assistant; generation %.2f s (%.0f new tokens/s) after %.1f s engine start",
              metrics["read"], metrics["kept"], metrics["train"], metrics["eval"], skipped,
              {k: v for k, v in metrics["skipped_by_reason"].items() if v}, metrics["tokens"],
@@ -427,4 +429,5 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): paths.verifier -> paths.out; returns the metrics."""
-    return build(params.dataset, paths.verifier, paths.out, progress=paths.progress)
+    return build(params.dataset, paths.verifier, paths.out, progress=paths.progress,
+                 where=params.where)

@@ -218,6 +218,8 @@ def _check_scalar(value: Any, tp: Any, meta: dict) -> tuple[Any, str | None, str
 
 def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Problem],
               lines: dict[str, int | None], parent: Any, parent_key: Any) -> Any:
+    """One schema dataclass from one YAML mapping; appends every problem, returns None if any
+    field could not be built."""
     if not isinstance(node, dict):
         problems.append(Problem(file, _line_of(parent, parent_key), prefix.rstrip(".") or "(top)",
                                 f"expected a mapping of keys, got {node!r}",
@@ -233,7 +235,6 @@ def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Probl
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        tp = hints[f.name]
         if f.name not in node:
             if f.default is not dataclasses.MISSING:
                 values[f.name] = f.default
@@ -244,53 +245,9 @@ def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Probl
                                     "it has no default on purpose"))
             continue
         lines[key] = _line_of(node, f.name)
-        value = node[f.name]
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-            if dataclasses.is_dataclass(inner):
-                tp = inner
-                if value is None:
-                    values[f.name] = None
-                    continue
-        if dataclasses.is_dataclass(tp):
-            values[f.name] = _validate(tp, value, key + ".", file, problems, lines, node, f.name)
-            continue
-        nullable = False
-        origin = typing.get_origin(tp)
-        if origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            nullable, tp = True, args[0]
-            origin = typing.get_origin(tp)
-        if value is None:
-            if not nullable:
-                problems.append(Problem(file, lines[key], key, "must not be null",
-                                        f"set it explicitly ({f.metadata.get('help', '')})"))
-            values[f.name] = None
-            continue
-        if origin is list:
-            item_tp = typing.get_args(tp)[0]
-            if not isinstance(value, list):
-                problems.append(Problem(file, lines[key], key, f"expected a list, got {value!r}",
-                                        "write a YAML list such as [1, 2, 3]"))
-                continue
-            n = f.metadata.get("length")
-            if n is not None and len(value) != n:
-                problems.append(Problem(file, lines[key], key,
-                                        f"expected exactly {n} items, got {len(value)}",
-                                        f"list exactly {n} values"))
-            items = []
-            for i, item in enumerate(value):
-                conv, err, fix = _check_scalar(item, item_tp, {"min": 0})
-                if err:
-                    problems.append(Problem(file, _line_of(value, i) or lines[key],
-                                            f"{key}[{i}]", err, fix))
-                items.append(conv)
-            values[f.name] = items
-            continue
-        conv, err, fix = _check_scalar(value, tp, f.metadata)
-        if err:
-            problems.append(Problem(file, lines[key], key, err, fix))
-        values[f.name] = conv
+        ok, value = _validate_field(f, hints[f.name], node, key, file, problems, lines)
+        if ok:
+            values[f.name] = value
     if any(f.name not in values or (values[f.name] is None and dataclasses.is_dataclass(hints[f.name]))
            for f in dataclasses.fields(cls)):
         return None
@@ -298,6 +255,54 @@ def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Probl
         return cls(**values)
     except TypeError:
         return None
+
+
+def _validate_field(f: dataclasses.Field, tp: Any, node: Any, key: str, file: str,
+                    problems: list[Problem], lines: dict) -> tuple[bool, Any]:
+    """(built?, value) of one present field: a nested section, null, a list or a scalar."""
+    value = node[f.name]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if dataclasses.is_dataclass(inner):
+            if value is None:
+                return True, None
+            tp = inner
+    if dataclasses.is_dataclass(tp):
+        return True, _validate(tp, value, key + ".", file, problems, lines, node, f.name)
+    nullable = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        nullable, tp = True, [a for a in typing.get_args(tp) if a is not type(None)][0]
+    if value is None:
+        if not nullable:
+            problems.append(Problem(file, lines[key], key, "must not be null",
+                                    f"set it explicitly ({f.metadata.get('help', '')})"))
+        return True, None
+    if typing.get_origin(tp) is list:
+        return _validate_list(value, typing.get_args(tp)[0], f.metadata, key, file, problems,
+                              lines[key])
+    conv, err, fix = _check_scalar(value, tp, f.metadata)
+    if err:
+        problems.append(Problem(file, lines[key], key, err, fix))
+    return True, conv
+
+
+def _validate_list(value: Any, item_tp: Any, meta: dict, key: str, file: str,
+                   problems: list[Problem], line: int | None) -> tuple[bool, Any]:
+    if not isinstance(value, list):
+        problems.append(Problem(file, line, key, f"expected a list, got {value!r}",
+                                "write a YAML list such as [1, 2, 3]"))
+        return False, None
+    n = meta.get("length")
+    if n is not None and len(value) != n:
+        problems.append(Problem(file, line, key, f"expected exactly {n} items, got {len(value)}",
+                                f"list exactly {n} values"))
+    items = []
+    for i, item in enumerate(value):
+        conv, err, fix = _check_scalar(item, item_tp, {"min": 0})
+        if err:
+            problems.append(Problem(file, _line_of(value, i) or line, f"{key}[{i}]", err, fix))
+        items.append(conv)
+    return True, items
 
 
 def load(path: str | os.PathLike = "params.yaml") -> Params:

@@ -78,20 +78,21 @@ class StageView:
             f"stage '{self._stage}' read params key '{key}', which dvc.yaml does not declare "
             f"for it; add `- {key}` under stages.{self._stage}.params in dvc.yaml")
 
+    # the view's own names below must not be params keys (tests/test_params.py checks)
     @property
-    def source(self) -> str:
+    def params_file(self) -> str:
         """The params file this view was loaded from."""
         return P.source_of(self._root)
 
     @property
-    def lines(self) -> dict[str, int | None]:
+    def key_lines(self) -> dict[str, int | None]:
         """Line numbers of every loaded key (for error messages; reading them reads no value)."""
         return getattr(self._root, "_lines", {})
 
     def where(self, key: str) -> str:
         """'params.yaml:LINE' for a dotted key, for error messages."""
-        line = self.lines.get(key)
-        return self.source + (f":{line}" if line else "")
+        line = self.key_lines.get(key)
+        return self.params_file + (f":{line}" if line else "")
 
     def for_validation(self, section: str) -> Any:
         """A whole section for a cross-check that can only refuse, never change an output (the

@@ -91,7 +91,7 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
                                                                              "total_bytes")}}
         (tmp / MANIFEST).write_text(dumps(manifest))
     # timings go to the log: committed metrics must be byte-identical on rerun
-    log.info("verifier: embedded build took %.1f s", time.perf_counter() - t0)
+    log.info("embedded build took %.1f s", time.perf_counter() - t0)
     return {"mode": "embedded", **metrics, "n_files": manifest["n_files"],
             "total_bytes": manifest["total_bytes"], "hidden_size": info.hidden_size,
             "num_hidden_layers": info.num_hidden_layers}
@@ -108,7 +108,7 @@ def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_fi
     if draft is not None:
         check_draft(draft, info, params_file=params_file, lines=lines)
     body, seconds = fp.timed_fingerprint(src, mode, progress=progress)
-    log.info("verifier: %s-mode fingerprint of %s took %.3f s", mode, src, seconds)
+    log.info("%s-mode fingerprint of %s took %.3f s", mode, src, seconds)
     weights = [n for n in body["files"] if fp.kind_of(n) != "other"]
     if not weights:
         log.warning("%s has no weight files: configs can be rendered and checked, but the "
@@ -143,7 +143,7 @@ def run(params, paths) -> dict:
     The `draft` section is read for VALIDATION ONLY (for_validation): an impossible pairing
     fails here, before anything is written; the configs stage, which declares it, repeats it."""
     m = build(params.verifier, paths.out, draft=params.for_validation("draft"),
-              params_file=params.source, lines=params.lines, base_dir=Path.cwd(),
+              params_file=params.params_file, lines=params.key_lines, base_dir=Path.cwd(),
               progress=paths.progress)
     log.info("wrote %s (%s)", paths.out,
              ", ".join(f"{k}={m[k]}" for k in ("mode", "n_files", "total_bytes")))

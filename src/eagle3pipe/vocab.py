@@ -135,10 +135,10 @@ def build(train_jsonl: str | Path, draft_vocab_size: int, vocab_size: int, out_d
     d2t, t2d = build_mapping(counts, draft_vocab_size, vocab_size, where=where)
     st = stats(counts, d2t, n)
     if st["filled"]:
-        log.warning("vocab: only %d distinct tokens in %s; filled %d draft slots with the lowest "
+        log.warning("only %d distinct tokens in %s; filled %d draft slots with the lowest "
                     "unused target ids", st["distinct_tokens_seen"], train_jsonl, st["filled"])
     save(out_dir, d2t, t2d, st)
-    log.info("vocab: %d of %d distinct masked tokens in a draft vocab of %d; coverage %.4f of "
+    log.info("%d of %d distinct masked tokens in a draft vocab of %d; coverage %.4f of "
              "%d masked tokens", st["distinct_seen_in_draft_vocab"], st["distinct_tokens_seen"],
              draft_vocab_size, st["coverage"], st["masked_tokens"])
     return st

@@ -17,6 +17,7 @@ from ruamel.yaml import YAML
 
 import drafts
 from eagle3pipe import smoke
+from eagle3pipe.errors import EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
 K = drafts.MICRO_DRAFT["num_speculative_tokens"]
@@ -188,6 +189,51 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------
+# the engine helper (subprocess: it leaves vLLM's process-wide state behind by design)
+
+ENGINE_PROBE = """
+import gc, json, os, sys
+import torch
+from eagle3pipe import engine
+
+torch.set_num_threads(3)
+original = torch.set_num_threads
+with engine.engine(sys.argv[1], dtype="float32", seed=0, max_model_len=64, kv_cache_gib=1,
+                      threads=2) as llm:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    inside = {"threads": torch.get_num_threads(), "no_op": torch.set_num_threads is not original,
+              "frozen": gc.get_freeze_count() > 0, "dtype": str(llm.llm_engine.model_config.dtype),
+              "in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]}
+    out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
+                       SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+after = {"threads": torch.get_num_threads(), "restored": torch.set_num_threads is original,
+         "frozen": gc.get_freeze_count(), "engine": llm.llm_engine}
+torch.set_num_threads(1)
+after["threads_settable"] = torch.get_num_threads() == 1
+print(json.dumps({"inside": inside, "after": after, "tokens": len(out[0].outputs[0].token_ids)}))
+"""
+
+
+@pytest.mark.slow
+def test_engine_helper_restores_what_vllm_changes(micro_verifier, tmp_path):
+    """vllm_load.engine: the dtype it is given, an in-process engine in a frozen heap, and on
+    exit torch's thread count and a working torch.set_num_threads (vLLM's CPU worker makes it a
+    no-op), an unfrozen heap and the engine released."""
+    r = subprocess.run([sys.executable, "-c", ENGINE_PROBE, str(micro_verifier)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # float32 as given: vLLM's "auto" would have downcast the float32 checkpoint
+    assert got["inside"] == {"threads": 2, "no_op": True, "frozen": True,
+                             "dtype": "torch.float32", "in_process": "0"}, got
+    assert got["tokens"] == 4
+    assert got["after"] == {"threads": 2, "restored": True, "frozen": 0, "engine": None,
+                            "threads_settable": True}, got
+
+
+# ---------------------------------------------------------------------------------------------
 # the stage with real engines (subprocess: the stage's own CLI)
 
 
@@ -248,7 +294,7 @@ def test_untrained_draft_fails_the_threshold(micro_verifier, tmp_path):
     export = drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
                                  mode="random")
     r = _stage(tmp_path, _params(tmp_path, min_acceptance_length=1.5), export, micro_verifier)
-    assert r.returncode == 1, r.stderr[-4000:]
+    assert r.returncode == EXIT_CODE, r.stderr[-4000:]
     found = dict(re.findall(r"(vllm|speculators): mean acceptance length ([\d.]+) \(k=3\) is "
                             r"below smoke.min_acceptance_length 1.5", r.stderr))
     assert set(found) == {"vllm", "speculators"}, r.stderr[-4000:]

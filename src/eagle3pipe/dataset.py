@@ -26,11 +26,9 @@ in train.jsonl / eval.jsonl, split deterministically by a seeded hash of the sam
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,41 +264,26 @@ def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = Tru
 # Generation
 
 
-def _vllm_env() -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: real exceptions
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 def generate(v: Verifier, prompts: list[Prompt], cfg: Any, *, progress: bool = True
              ) -> tuple[list[list[int]], list[str], dict]:
     """Greedy replies of the verifier (vLLM) to each prompt: (token ids, finish reasons, timing).
     Token ids are exactly what the verifier produced, ending with its stop token if it stopped."""
-    _vllm_env()
-    t0 = time.perf_counter()
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
+    from eagle3pipe import engine
 
-    # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads with a no-op
-    # for the rest of the process; restore both so later work in this process is unaffected
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    t0 = time.perf_counter()
+    engine.environment(None)  # before vLLM's import
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     t1 = time.perf_counter()
-    llm = None
-    try:
-        llm = LLM(model=str(v.model_dir), tokenizer=str(v.dir), dtype=v.dtype, seed=cfg.seed,
-                  max_model_len=cfg.max_seq_len, enforce_eager=current_platform.is_cpu())
+    with engine.engine(v.model_dir, tokenizer=v.dir, dtype=v.dtype, seed=cfg.seed,
+                       max_model_len=cfg.max_seq_len, kv_cache_gib=None, threads=None,
+                       enforce_eager=None) as llm:
         t2 = time.perf_counter()
         sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p.prompt_ids) for p in prompts],
                             sampling, use_tqdm=progress)
         t3 = time.perf_counter()
-    finally:
-        del llm
-        gc.collect()
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
     replies = [list(o.outputs[0].token_ids) for o in outs]
     reasons = [str(o.outputs[0].finish_reason) for o in outs]
     new_tokens = sum(len(r) for r in replies)

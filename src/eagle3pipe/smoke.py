@@ -20,13 +20,12 @@ timings (timings go to the log).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3pipe import runtime
+from eagle3pipe import engine, runtime, vllm_load
 from eagle3pipe.errors import Error
 from eagle3pipe.verifier import Verifier
 
@@ -54,21 +53,6 @@ class SmokeError(Error, RuntimeError):
 
 # ---------------------------------------------------------------------------------------------
 # inputs
-
-
-def configure_environment(kv_cache_gib: float, threads: int) -> None:
-    """Must run before vLLM is imported: one in-process engine (a load failure surfaces as the
-    real exception, not a dead worker), a bounded KV cache, explicit threads, no hub access."""
-    import torch
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if float(kv_cache_gib).is_integer():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))  # CPU backend, in GiB
-    else:  # the env var takes whole GiB; kv_cache_memory_bytes (engine arg) takes the rest
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(threads)
 
 
 def export_dirs(export_dir: str | Path) -> dict[str, Path]:
@@ -122,6 +106,54 @@ def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
     return out
 
 
+@dataclass
+class Inputs:
+    """What every engine of a smoke run shares."""
+    exports: dict[str, Path]  # format -> artifacts/export/<format>
+    k: int  # num_speculative_tokens
+    model_dir: Path  # the verifier's weights
+    tokenizer: Any
+    prompts: list[list[int]]
+    max_model_len: int
+
+
+def read_inputs(s, export_dir: str | Path, verifier_dir: str | Path) -> Inputs:
+    """The exports, k, the verifier and the tokenized prompts; max_model_len fits the longest
+    prompt, its generation and one speculative step past it."""
+    exports = export_dirs(export_dir)
+    k = speculative_tokens(export_dir)
+    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    tok = v.tokenizer()
+    prompts = build_prompts(tok, s.num_prompts, s.seed)
+    longest = max(map(len, prompts))
+    log.info("smoke: verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
+             v.model_dir, k, len(prompts), longest, s.max_tokens)
+    return Inputs(exports, k, v.model_dir, tok, prompts,
+                  max_model_len=longest + s.max_tokens + k + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# load checks
+
+
+def check_loads(s, inp: Inputs) -> None:
+    """The engine-less load check of every format (before any engine starts); raises
+    SmokeError listing every problem."""
+    problems = []
+    for fmt, d in inp.exports.items():
+        rep = vllm_load.check_draft(inp.model_dir, d, num_speculative_tokens=inp.k,
+                                    kv_cache_gib=s.kv_cache_gib, seed=s.seed,
+                                    max_model_len=inp.max_model_len)
+        log.info("smoke: %s: engine-less load check (%s) %s in %.1f s%s", fmt,
+                 rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
+                 "; shared verifier embedding" if rep.shared_embedding else "")
+        problems += rep.problems
+    if problems:
+        raise SmokeError("engine-less vLLM load check failed (each would start an engine "
+                         "silently broken, or fail inside it):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+
 # ---------------------------------------------------------------------------------------------
 # engines
 
@@ -167,40 +199,51 @@ def _delta(before: dict, after: dict) -> dict:
     return out
 
 
-def run_engine(name: str, model_dir: str | Path, prompts: list[list[int]], *,
-               speculative_config: dict | None, max_tokens: int, kv_cache_gib: float, seed: int,
-               max_model_len: int) -> EngineRun:
-    """One in-process vLLM engine: greedy generation and the spec-decode counter deltas."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from eagle3pipe import vllm_load
-
-    kw = vllm_load.engine_kwargs(model_dir, speculative_config=speculative_config,
-                                 kv_cache_gib=kv_cache_gib, seed=seed,
-                                 max_model_len=max_model_len)
+def run_engine(name: str, inp: Inputs, s, speculative_config: dict | None) -> EngineRun:
+    """One in-process vLLM engine on the verifier: greedy generation on the prompts and the
+    spec-decode counter deltas. vLLM picks the dtype (its "auto"), as in the load check."""
     t0 = time.perf_counter()
-    llm = LLM(**kw)
-    start = time.perf_counter() - t0
-    log.info("smoke: %s: engine start %.1f s", name, start)
-    try:
+    with engine.engine(inp.model_dir, dtype="auto", seed=s.seed,
+                          max_model_len=inp.max_model_len, kv_cache_gib=s.kv_cache_gib,
+                          threads=s.threads, speculative_config=speculative_config,
+                          stats=True) as llm:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter() - t0
+        log.info("smoke: %s: engine start %.1f s", name, start)
         before = _counters(llm)
         t1 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=seed),
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in inp.prompts],
+                            SamplingParams(temperature=0.0, max_tokens=s.max_tokens,
+                                           seed=s.seed),
                             use_tqdm=True)
         gen = time.perf_counter() - t1
         counters = _delta(before, _counters(llm))
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; the objects are dropped anyway
-            pass
-        del llm
-        vllm_load.cleanup()
+    ids = [list(o.outputs[0].token_ids) for o in outs]
     log.info("smoke: %s: generated %d tokens in %.1f s", name, sum(map(len, ids)), gen)
     return EngineRun(name, ids, counters, start, gen)
+
+
+def speculative_configs(s, inp: Inputs) -> dict[str, dict]:
+    """The speculative engines, by name: each exported format's draft, then vLLM's ngram."""
+    out: dict[str, dict] = {fmt: {"method": "eagle3", "model": str(d),
+                                  "num_speculative_tokens": inp.k}
+                            for fmt, d in inp.exports.items()}
+    out[NGRAM] = {"method": "ngram", "num_speculative_tokens": inp.k,
+                  "prompt_lookup_min": s.ngram_prompt_lookup_min,
+                  "prompt_lookup_max": s.ngram_prompt_lookup_max}
+    return out
+
+
+def run_engines(s, inp: Inputs) -> tuple[EngineRun, dict[str, EngineRun]]:
+    """The non-speculative reference, then every speculative engine, one after another."""
+    reference = run_engine("non-speculative", inp, s, None)
+    runs = {}
+    for name, spec in speculative_configs(s, inp).items():
+        label = NGRAM if name == NGRAM else f"eagle3 ({name})"
+        runs[name] = run_engine(label, inp, s, spec)
+    return reference, runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +287,66 @@ def mismatches(reference: list[list[int]], got: list[list[int]], detok: Callable
     return out[:limit] + ([f"... and {more} more prompts"] if more > 0 else [])
 
 
+def judge(s, k: int, reference: EngineRun, runs: dict[str, EngineRun], detok: Callable
+          ) -> tuple[dict[str, dict], list[str]]:
+    """Each run's acceptance with its verdicts (`lossless`; the drafts' `gain_over_ngram`),
+    and every failure: outputs that differ, then the drafts' thresholds."""
+    results = {name: acceptance(r.counters, k, sum(map(len, r.token_ids)))
+               for name, r in runs.items()}
+    failures = []
+    for name, r in runs.items():
+        diff = mismatches(reference.token_ids, r.token_ids, detok)
+        results[name]["lossless"] = not diff
+        if diff:
+            failures.append(f"{name}: speculative output differs from the non-speculative "
+                            "greedy output (speculative decoding must be lossless):\n"
+                            + "\n".join(f"    {d}" for d in diff))
+    ngram_len = results[NGRAM]["mean_acceptance_length"]
+    for fmt in (name for name in runs if name != NGRAM):
+        r = results[fmt]
+        r["gain_over_ngram"] = round(r["mean_acceptance_length"] / ngram_len, ROUND)
+        failures += threshold_failures(s, fmt, r, k, ngram_len)
+    return results, failures
+
+
+def threshold_failures(s, fmt: str, r: dict, k: int, ngram_len: float) -> list[str]:
+    """A draft's failures against smoke.min_acceptance_length and smoke.min_gain_over_ngram."""
+    failures = []
+    if r["num_drafts"] == 0:
+        failures.append(f"{fmt}: vLLM proposed no drafts at all: the draft never ran")
+    if r["mean_acceptance_length"] < s.min_acceptance_length:
+        failures.append(
+            f"{fmt}: mean acceptance length {r['mean_acceptance_length']} (k={k}) is below "
+            f"smoke.min_acceptance_length {s.min_acceptance_length}; per-position acceptance "
+            f"{r['acceptance_rate_per_position']}. An untrained or broken draft sits near "
+            "1.0; train longer or check the export")
+    if r["gain_over_ngram"] < s.min_gain_over_ngram:
+        failures.append(
+            f"{fmt}: mean acceptance length {r['mean_acceptance_length']} is "
+            f"{r['gain_over_ngram']}x ngram's {ngram_len}, below "
+            f"smoke.min_gain_over_ngram {s.min_gain_over_ngram}: prompt lookup alone "
+            "speculates as well as this draft")
+    return failures
+
+
+def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *,
+               passed: bool) -> dict:
+    """metrics/smoke.json: counts, acceptance and verdicts, the thresholds; no timings."""
+    return {
+        "num_speculative_tokens": inp.k,
+        "num_prompts": len(inp.prompts),
+        "max_tokens": s.max_tokens,
+        "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
+        "formats": {fmt: results[fmt] for fmt in inp.exports},
+        NGRAM: results[NGRAM],
+        "mean_acceptance_length": {name: results[name]["mean_acceptance_length"]
+                                   for name in results},
+        "thresholds": {"min_acceptance_length": s.min_acceptance_length,
+                       "min_gain_over_ngram": s.min_gain_over_ngram},
+        "passed": passed,
+    }
+
+
 def plot_rows(results: dict[str, dict]) -> list[dict]:
     """Wide rows, one per draft position, a column per format: dvc plots draws one line each."""
     n = max(len(r["acceptance_rate_per_position"]) for r in results.values())
@@ -265,92 +368,15 @@ def measure(s, *, export_dir: str | Path, verifier_dir: str | Path, plots_path: 
             ) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section. Writes the plot data and
     returns the metrics; raises SmokeError (with .metrics) when a check fails."""
-    configure_environment(s.kv_cache_gib, s.threads)
+    engine.environment(s.kv_cache_gib)  # before anything imports vLLM
     runtime.seed_everything(s.seed, s.threads)
-    from eagle3pipe import vllm_load
-
-    exports = export_dirs(export_dir)
-    k = speculative_tokens(export_dir)
-    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
-    model_dir, tok = v.model_dir, v.tokenizer()
-    prompts = build_prompts(tok, s.num_prompts, s.seed)
-    max_model_len = max(map(len, prompts)) + s.max_tokens + k + 1
-    log.info("smoke: verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
-             model_dir, k, len(prompts), max(map(len, prompts)), s.max_tokens)
-
-    # the imports' objects out of the cyclic GC's walks while the engines run
-    with vllm_load.frozen_heap():
-        # 1. engine-less load check, both formats, before any engine starts
-        problems = []
-        for fmt, d in exports.items():
-            rep = vllm_load.check_draft(model_dir, d, num_speculative_tokens=k,
-                                        kv_cache_gib=s.kv_cache_gib, seed=s.seed,
-                                        max_model_len=max_model_len)
-            log.info("smoke: %s: engine-less load check (%s) %s in %.1f s%s", fmt,
-                     rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
-                     "; shared verifier embedding" if rep.shared_embedding else "")
-            problems += rep.problems
-        if problems:
-            raise SmokeError("engine-less vLLM load check failed (each would start an engine "
-                             "silently broken, or fail inside it):\n"
-                             + "\n".join(f"  - {p}" for p in problems))
-
-        common = dict(max_tokens=s.max_tokens, kv_cache_gib=s.kv_cache_gib, seed=s.seed,
-                      max_model_len=max_model_len)
-        reference = run_engine("non-speculative", model_dir, prompts, speculative_config=None,
-                               **common)
-        runs = {}
-        for fmt, d in exports.items():
-            runs[fmt] = run_engine(f"eagle3 ({fmt})", model_dir, prompts, speculative_config={
-                "method": "eagle3", "model": str(d), "num_speculative_tokens": k}, **common)
-        runs[NGRAM] = run_engine(NGRAM, model_dir, prompts, speculative_config={
-            "method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_min": s.ngram_prompt_lookup_min,
-            "prompt_lookup_max": s.ngram_prompt_lookup_max}, **common)
-
-    detok = tok.decode
-    results = {name: acceptance(r.counters, k, sum(map(len, r.token_ids)))
-               for name, r in runs.items()}
-    failures = []
-    for name, r in runs.items():
-        diff = mismatches(reference.token_ids, r.token_ids, detok)
-        results[name]["lossless"] = not diff
-        if diff:
-            failures.append(f"{name}: speculative output differs from the non-speculative "
-                            "greedy output (speculative decoding must be lossless):\n"
-                            + "\n".join(f"    {d}" for d in diff))
-    ngram_len = results[NGRAM]["mean_acceptance_length"]
-    for fmt in exports:
-        r = results[fmt]
-        r["gain_over_ngram"] = round(r["mean_acceptance_length"] / ngram_len, ROUND)
-        if r["num_drafts"] == 0:
-            failures.append(f"{fmt}: vLLM proposed no drafts at all: the draft never ran")
-        if r["mean_acceptance_length"] < s.min_acceptance_length:
-            failures.append(
-                f"{fmt}: mean acceptance length {r['mean_acceptance_length']} (k={k}) is below "
-                f"smoke.min_acceptance_length {s.min_acceptance_length}; per-position acceptance "
-                f"{r['acceptance_rate_per_position']}. An untrained or broken draft sits near "
-                "1.0; train longer or check the export")
-        if r["gain_over_ngram"] < s.min_gain_over_ngram:
-            failures.append(
-                f"{fmt}: mean acceptance length {r['mean_acceptance_length']} is "
-                f"{r['gain_over_ngram']}x ngram's {ngram_len}, below "
-                f"smoke.min_gain_over_ngram {s.min_gain_over_ngram}: prompt lookup alone "
-                "speculates as well as this draft")
-
-    metrics = {
-        "num_speculative_tokens": k,
-        "num_prompts": len(prompts),
-        "max_tokens": s.max_tokens,
-        "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
-        "formats": {fmt: results[fmt] for fmt in exports},
-        NGRAM: results[NGRAM],
-        "mean_acceptance_length": {name: results[name]["mean_acceptance_length"]
-                                   for name in results},
-        "thresholds": {"min_acceptance_length": s.min_acceptance_length,
-                       "min_gain_over_ngram": s.min_gain_over_ngram},
-        "passed": not failures,
-    }
+    inp = read_inputs(s, export_dir, verifier_dir)
+    # one freeze of the imports' objects for the load checks and every engine
+    with engine.frozen_heap():
+        check_loads(s, inp)
+        reference, runs = run_engines(s, inp)
+    results, failures = judge(s, inp.k, reference, runs, inp.tokenizer.decode)
+    metrics = metrics_of(s, inp, reference, results, passed=not failures)
     log.info("smoke: engine starts: %s", ", ".join(
         f"{n} {r.start_s:.1f} s" for n, r in [("non-speculative", reference), *runs.items()]))
     if failures:

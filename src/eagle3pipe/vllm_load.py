@@ -16,17 +16,19 @@ and reports, naming tensors:
   - every checkpoint tensor vLLM never handed to a weight loader (t2d excepted: vLLM derives
     nothing from it);
   - any exception vLLM's config, model or loader code raised.
-Import vllm only through this module's functions: callers set the environment first.
+
+Engines themselves (start, environment, teardown) are eagle3pipe.engine's.
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from eagle3pipe import engine
 
 # tensors a draft checkpoint may carry that vLLM's EAGLE-3 loader deliberately skips
 IGNORED_BY_VLLM = ("t2d",)
@@ -47,24 +49,12 @@ class LoadReport:
         return not self.problems
 
 
-def engine_kwargs(model_dir: str | Path, *, speculative_config: dict | None, kv_cache_gib: float,
-                  seed: int, max_model_len: int | None) -> dict[str, Any]:
-    """The engine arguments the smoke engines and the engine-less check share (device-agnostic:
-    kv_cache_memory_bytes bounds the KV cache on CPU and GPU alike)."""
-    kw: dict[str, Any] = dict(model=str(model_dir), speculative_config=speculative_config,
-                              seed=seed, enforce_eager=True, disable_log_stats=False,
-                              kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
-    if max_model_len is not None:
-        kw["max_model_len"] = int(max_model_len)
-    return kw
-
-
 def build_vllm_config(model_dir: str | Path, speculative_config: dict, *, kv_cache_gib: float = 1,
                       seed: int = 0, max_model_len: int | None = None):
     """The VllmConfig `LLM(...)` would build for these arguments (vLLM's EngineArgs)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = engine_kwargs(model_dir, speculative_config=speculative_config,
+    kw = engine.engine_kwargs(model_dir, speculative_config=speculative_config,
                        kv_cache_gib=kv_cache_gib, seed=seed, max_model_len=max_model_len)
     return EngineArgs(**kw).create_engine_config()
 
@@ -158,94 +148,136 @@ def check_draft(model_dir: str | Path, draft_dir: str | Path, *, num_speculative
     """Loads `draft_dir` into vLLM's EAGLE-3 draft class engine-less and reports what vLLM would
     silently get wrong. `model_dir` is the verifier checkpoint (its config is read, not its
     weights)."""
-    import torch
-
     t0 = time.perf_counter()
     draft_dir = Path(draft_dir)
     report = LoadReport(draft_dir=str(draft_dir))
     spec = {"method": "eagle3", "model": str(draft_dir),
             "num_speculative_tokens": int(num_speculative_tokens)}
-    stage = "building vLLM's config"
+    steps: list[str] = []
     try:
-        vc = build_vllm_config(model_dir, spec, kv_cache_gib=kv_cache_gib, seed=seed,
-                               max_model_len=max_model_len)
-        dmc = vc.speculative_config.draft_model_config
-        from vllm.model_executor.model_loader import get_model_loader
-        from vllm.model_executor.model_loader.utils import get_draft_load_config, initialize_model
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
-        with single_process_group(vc):
-            stage = "instantiating vLLM's draft model class"
-            with set_default_torch_dtype(dmc.dtype), torch.device("cpu"):
-                model = initialize_model(vllm_config=vc, model_config=dmc)
-            report.architecture = type(model).__name__
-            named = dict(model.named_parameters())
-            report.parameters = {n: list(p.shape) for n, p in named.items()}
-            owner = {id(p): mod for mod in model.modules()
-                     for p in mod.parameters(recurse=False)}
-            _fill_sentinel(model)
-
-            # record what each parameter's weight loader receives (outermost call only)
-            received: dict[str, list[tuple[tuple[int, ...], Any, int]]] = {}
-            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-            def wrap(pname, inner):
-                def loader(p, loaded_weight, *args, **kwargs):
-                    shard = args[0] if args else kwargs.get("loaded_shard_id",
-                                                            kwargs.get("shard_id"))
-                    received.setdefault(pname, []).append(
-                        (tuple(loaded_weight.shape), shard,
-                         _key(loaded_weight)))
-                    return inner(p, loaded_weight, *args, **kwargs)
-                return loader
-
-            for pname, p in named.items():
-                p.weight_loader = wrap(pname, getattr(p, "weight_loader", default_weight_loader))
-
-            stage = "running vLLM's weight loader"
-            loader = get_model_loader(get_draft_load_config(vc))
-            sources: dict[Any, str] = {}
-            keep = []
-
-            def weights():
-                for name, t in loader.get_all_weights(dmc, model):
-                    sources[_key(t)] = name
-                    keep.append(t)
-                    yield name, t
-
-            model.load_weights(weights())
+        load = _load(model_dir, spec, report, steps, kv_cache_gib=kv_cache_gib, seed=seed,
+                     max_model_len=max_model_len)
     except Exception as e:  # noqa: BLE001 - reported with vLLM's own message
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        report.problems.append(f"{draft_dir}: vLLM failed while {stage}: {tb}")
+        report.problems.append(f"{draft_dir}: vLLM failed while {steps[-1]}: {tb}")
         report.seconds = time.perf_counter() - t0
         return report
+    consumed = _compare_slots(load, report)
+    _report_unfilled(load, report)
+    _report_unloaded(load, consumed, report)
+    report.seconds = time.perf_counter() - t0
+    return report
 
-    # -- what was handed to which slot
+
+@dataclass
+class _Load:
+    """An engine-less load: the draft model vLLM built and what its weight loaders received."""
+    vllm_config: Any
+    model: Any
+    named: dict[str, Any]  # vLLM parameter name -> parameter
+    owner: dict[int, Any]  # id(parameter) -> the module holding it
+    # per parameter, each outermost weight-loader call: (tensor shape, shard id, tensor key)
+    received: dict[str, list[tuple[tuple[int, ...], Any, tuple]]] = field(default_factory=dict)
+    sources: dict[tuple, str] = field(default_factory=dict)  # tensor key -> checkpoint name
+    keep: list = field(default_factory=list)  # the checkpoint tensors, so no key is reused
+
+
+def _load(model_dir: str | Path, spec: dict, report: LoadReport, steps: list[str],
+          **engine: Any) -> _Load:
+    """Builds vLLM's config, instantiates the draft class and runs vLLM's weight loader on the
+    export; `steps` ends with the step under way (for the report when one raises)."""
+    steps.append("building vLLM's config")
+    vc = build_vllm_config(model_dir, spec, **engine)
+    with single_process_group(vc):
+        steps.append("instantiating vLLM's draft model class")
+        load = _instantiate(vc, report)
+        steps.append("running vLLM's weight loader")
+        _run_weight_loader(load)
+    return load
+
+
+def _instantiate(vc, report: LoadReport) -> _Load:
+    """vLLM's draft model on CPU, every parameter filled with the sentinel and its weight loader
+    wrapped to record what it receives."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    dmc = vc.speculative_config.draft_model_config
+    with set_default_torch_dtype(dmc.dtype), torch.device("cpu"):
+        model = initialize_model(vllm_config=vc, model_config=dmc)
+    report.architecture = type(model).__name__
+    named = dict(model.named_parameters())
+    report.parameters = {n: list(p.shape) for n, p in named.items()}
+    load = _Load(vc, model, named,
+                 {id(p): mod for mod in model.modules() for p in mod.parameters(recurse=False)})
+    _fill_sentinel(model)
+    for pname, p in named.items():
+        p.weight_loader = _recording(load.received, pname,
+                                     getattr(p, "weight_loader", default_weight_loader))
+    return load
+
+
+def _recording(received: dict, pname: str, inner):
+    """`inner` (a weight loader), recording each call's tensor into received[pname]."""
+    def loader(p, loaded_weight, *args, **kwargs):
+        shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+        received.setdefault(pname, []).append(
+            (tuple(loaded_weight.shape), shard, _key(loaded_weight)))
+        return inner(p, loaded_weight, *args, **kwargs)
+    return loader
+
+
+def _run_weight_loader(load: _Load) -> None:
+    """vLLM's draft loader on the export's safetensors, noting each tensor's checkpoint name."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    dmc = load.vllm_config.speculative_config.draft_model_config
+    loader = get_model_loader(get_draft_load_config(load.vllm_config))
+
+    def weights():
+        for name, t in loader.get_all_weights(dmc, load.model):
+            load.sources[_key(t)] = name
+            load.keep.append(t)
+            yield name, t
+
+    load.model.load_weights(weights())
+
+
+def _compare_slots(load: _Load, report: LoadReport) -> set[str]:
+    """Reports every tensor whose shape differs from the slot it was loaded into; returns the
+    checkpoint tensors that reached a weight loader (also report.loaded_tensors)."""
     consumed: set[str] = set()
-    for pname, calls in sorted(received.items()):
-        p = named[pname]
+    for pname, calls in sorted(load.received.items()):
+        p = load.named[pname]
         for shape, shard, key in calls:
-            src = sources.get(key)  # shards vLLM splits off alias the same storage
+            src = load.sources.get(key)  # shards vLLM splits off alias the same storage
             if src is not None:
                 consumed.add(src)
-            slot = _slot_shape(owner.get(id(p)), p, shard)
+            slot = _slot_shape(load.owner.get(id(p)), p, shard)
             if slot is not None and shape != slot:
                 where = f" (shard {shard!r})" if shard is not None else ""
                 report.problems.append(
-                    f"{draft_dir}: tensor {src or '?'} has shape {list(shape)} but vLLM's "
-                    f"{pname}{where} holds {list(slot)}: vLLM would silently "
+                    f"{report.draft_dir}: tensor {src or '?'} has shape {list(shape)} but "
+                    f"vLLM's {pname}{where} holds {list(slot)}: vLLM would silently "
                     f"{'trim' if _numel(shape) > _numel(slot) else 'misplace'} it "
                     "(weights built for another head_dim/heads/sizes than config.json says)")
     report.loaded_tensors = sorted(consumed)
+    return consumed
 
-    # -- parameters left unfilled
-    hidden = vc.model_config.get_hidden_size()
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    own_embed = bool(getattr(model, "has_own_embed_tokens", False))
+
+def _report_unfilled(load: _Load, report: LoadReport) -> None:
+    """Reports every parameter still (partly) holding the sentinel, but the embedding vLLM
+    replaces with the verifier's (report.shared_embedding)."""
+    hidden = load.vllm_config.model_config.get_hidden_size()
+    embed = getattr(getattr(load.model, "model", None), "embed_tokens", None)
+    own_embed = bool(getattr(load.model, "has_own_embed_tokens", False))
     report.shared_embedding = (embed is not None and not own_embed
                                and embed.weight.shape[-1] == hidden)
-    for pname, p in named.items():
-        rows = _vocab_rows(owner.get(id(p)))
+    for pname, p in load.named.items():
+        rows = _vocab_rows(load.owner.get(id(p)))
         n = _unfilled(p.data[:rows] if rows is not None else p)
         if not n:
             continue
@@ -257,19 +289,18 @@ def check_draft(model_dir: str | Path, draft_dir: str | Path, *, num_speculative
         elif pname.endswith("embed_tokens.weight"):
             hint = f" (not shared: verifier hidden {hidden} != draft width {p.shape[-1]})"
         report.problems.append(
-            f"{draft_dir}: vLLM's {report.architecture}.{pname} {list(p.shape)}: {n} of "
+            f"{report.draft_dir}: vLLM's {report.architecture}.{pname} {list(p.shape)}: {n} of "
             f"{p.numel()} values never loaded ({_expected_source(pname)} missing from the "
             f"checkpoint?); vLLM would run with uninitialised memory{hint}")
 
-    # -- checkpoint tensors vLLM never loaded
-    for name in sorted(set(sources.values()) - consumed):
+
+def _report_unloaded(load: _Load, consumed: set[str], report: LoadReport) -> None:
+    """Reports every checkpoint tensor no weight loader received (IGNORED_BY_VLLM excepted)."""
+    for name in sorted(set(load.sources.values()) - consumed):
         if name in IGNORED_BY_VLLM:
             continue
-        report.problems.append(f"{draft_dir}: tensor {name} was never loaded by vLLM "
+        report.problems.append(f"{report.draft_dir}: tensor {name} was never loaded by vLLM "
                                "(silently ignored: a misnamed or extra tensor)")
-    report.seconds = time.perf_counter() - t0
-    del model, keep
-    return report
 
 
 def _key(t) -> tuple[int, tuple[int, ...]]:
@@ -288,37 +319,3 @@ def _expected_source(pname: str) -> str:
     n = pname.removeprefix("model.").replace("layers.0.", "midlayer.")
     n = n.replace("qkv_proj", "{q,k,v}_proj").replace("gate_up_proj", "{gate,up}_proj")
     return "d2t" if n == "draft_id_to_target_id" else n
-
-
-_frozen = False
-
-
-@contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Inside, every object alive on entry (mostly the ~1M that importing torch, transformers
-    and vLLM creates) is out of the cyclic garbage collector's walks. vLLM calls gc.collect()
-    about ten times per engine (model loading, memory profiling, start-up, teardown), each
-    walking the whole heap: ~0.3 s apiece here, a third of a micro smoke run. Frozen objects
-    are still freed by reference counting. vLLM's engine shutdown unfreezes the heap, so
-    cleanup() freezes it again inside; on exit it is unfrozen (else extension modules report
-    the frozen objects as leaked at interpreter exit)."""
-    global _frozen
-    gc.collect()
-    gc.freeze()
-    _frozen = True
-    try:
-        yield
-    finally:
-        _frozen = False
-        gc.unfreeze()
-
-
-def cleanup() -> None:
-    """Tears down vLLM's distributed state and frees memory between engines (what vLLM's own
-    tests call between LLM instances; it ends in gc.collect()); re-freezes the heap inside
-    frozen_heap()."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
-    if _frozen:
-        gc.freeze()

@@ -170,12 +170,12 @@ def random_verifier(out: Path, *, hidden: int, vocab: int, layers: int = 4,
 
 
 def synthetic_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
-    """n dataset samples (eagle3pipe.extract.Sample) with seeded random token ids (ids 0..3 are
+    """n dataset samples (eagle3pipe.samples.Sample) with seeded random token ids (ids 0..3 are
     the embedded tokenizer's specials: left out), lengths uniform in [min_len, max_len] and the
     first 40% of each sample unsupervised (the prompt), the rest supervised."""
     import torch
 
-    from eagle3pipe.extract import Sample
+    from eagle3pipe.samples import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []

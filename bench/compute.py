@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import shutil
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -116,27 +118,14 @@ def write_datapath(model, samples, aux_ids, out: Path, dtype: str = "bfloat16") 
 # Training
 
 
-def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, batch_tokens: int,
-                ttt_steps: int = 3, n_packs: int = 4, repeats: int = 3, lr: float = 1e-3,
-                variants: tuple[str, ...] = ("loop", "speculators_step", "bare_same_chunks")
-                ) -> dict:
-    """tokens/s of the train stage's loop vs a bare speculators step on the same packed batches
-    (the same samples, read through the same ArrowDataset + CollateFn):
-      loop              eagle3pipe.train's loop body: Batches.micro (collate into <= 512-token
-                        micro-batches on CPU), run_batch (bf16 autocast forward, token-weighted
-                        backward, accuracy counts), clip_grad_norm_, AdamW step, LR schedule,
-                        with torch.use_deterministic_algorithms(True) as train() sets on CPU
-      speculators_step  what speculators' Trainer does per step, minus its clipping/scheduler:
-                        collate the pack (padded to batch_tokens), one Eagle3DraftModel forward
-                        under bf16 autocast, backward, AdamW step; no determinism flag
-      bare_same_chunks  the bare forward/backward/step on exactly the loop's micro-batches: the
-                        loop's own overhead (metrics, clipping, schedule, determinism)
-    Both models are built by eagle3pipe.train.build_model from the same seed."""
-    from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.data import CollateFn
-
+def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, names, *,
+                 batch_tokens: int, ttt_steps: int, lr: float):
+    """(arch, the datapath's Batches, {name: TrainState}) for the training bench: the draft
+    derived from draft_params, the vocab mapping from the samples' loss-masked tokens, and one
+    train.build_state per name (the same seeded init each, in train mode as fit() runs step()),
+    over one epoch of the stage's seeded packing with a 2-step warm-up."""
     from eagle3pipe import arch as archmod
+    from eagle3pipe import distributed
     from eagle3pipe import train as T
     from eagle3pipe import vocab as V
     from eagle3pipe.verifier import VerifierInfo
@@ -146,78 +135,81 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
     counts = collections.Counter(t for s in samples for t, m in zip(s.input_ids, s.loss_mask)
                                  if m)
     d2t, t2d = V.build_mapping(dict(counts), arch.draft_vocab_size, arch.vocab_size)
-    backend = T.backend_for("cpu")
-    collate = CollateFn(batch_tokens, arch.target_hidden_size, num_target_layers=archmod.NUM_AUX,
-                        dtype=backend.data_dtype, preprocess=shift_batch)
-    ds = T.open_datapath(datapath, batch_tokens, backend.data_dtype)
-    T.check_datapath(ds, datapath, arch)
-    data = T.Batches(ds, datapath, collate, backend)
-    all_packs = T.epoch_batches(data.lengths, batch_tokens, 0, 0)
-    packs = all_packs[:n_packs]
-    tokens = sum(min(batch_tokens, sum(data.lengths[i] for i in p)) for p in packs)
-    loss_config = resolve_loss_config(T.LOSS_FN, backend.loss_impl)
-    d = T.Dist()
-    run = dict(ttt_steps=ttt_steps, loss_config=loss_config, backend=backend, d=d)
+    backend = distributed.backend_for("cpu")
+    data = T.open_split(datapath, batch_tokens, arch, backend)
+    p = types.SimpleNamespace(seed=0, epochs=1, batch_tokens=batch_tokens, learning_rate=lr,
+                              weight_decay=0.0, warmup_steps=2, ttt_steps=ttt_steps)
+    states = {}
+    for name in names:
+        states[name] = T.build_state(p, arch, verifier_dir, d2t, t2d, data, data,
+                                     d=distributed.Dist(), backend=backend)
+        states[name].model.train()
+    return arch, data, states
 
-    def build():
-        torch.manual_seed(0)
-        m = T.build_model(arch, verifier_dir, d2t, t2d, speculative_tokens=ttt_steps,
-                          attn_impl=backend.attn_impl)
-        m.train()
-        params = [x for x in m.parameters() if x.requires_grad]
-        return m, params, torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
-    fns = {}
-    if "loop" in variants:
-        m_loop, p_loop, opt_loop = build()
-        total = max(1, len(all_packs))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt_loop, T.lr_lambda(min(2, total), total))
+def train_variants(states: dict, data, packs: list[list[int]]) -> dict:
+    """{name: a function running every pack once} for the states' names (see bench_train)."""
+    from eagle3pipe import train as T
 
-        def loop():
-            torch.use_deterministic_algorithms(True)
-            try:
-                for idx in packs:
-                    opt_loop.zero_grad(set_to_none=True)
-                    T.run_batch(m_loop, data.micro(idx), backward=True, **run)
-                    torch.nn.utils.clip_grad_norm_(p_loop, T.GRAD_CLIP)
-                    opt_loop.step()
-                    sched.step()
-            finally:
-                torch.use_deterministic_algorithms(False)
-        fns["loop"] = loop
-
-    def bare_forward_backward(model, chunk, weight):
+    def bare_forward_backward(st, chunk, weight):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss, _ = model(**chunk, ttt_steps=ttt_steps,
-                               ttt_step_loss_decay=T.TTT_STEP_LOSS_DECAY, loss_config=loss_config)
+            _, loss, _ = st.model(**chunk, ttt_steps=st.p.ttt_steps,
+                                  ttt_step_loss_decay=T.TTT_STEP_LOSS_DECAY,
+                                  loss_config=st.loss_config)
         (loss * weight).backward()
 
-    if "speculators_step" in variants:
-        m_sp, _, opt_sp = build()
-
-        def speculators_step():
+    def loop(st):
+        torch.use_deterministic_algorithms(True)
+        try:
             for idx in packs:
-                batch = collate([ds[i] for i in idx])
-                opt_sp.zero_grad()
-                bare_forward_backward(m_sp, batch, 1.0)
-                opt_sp.step()
-        fns["speculators_step"] = speculators_step
+                T.step(st, idx)
+        finally:
+            torch.use_deterministic_algorithms(False)
 
-    if "bare_same_chunks" in variants:
-        m_bc, _, opt_bc = build()
+    def speculators_step(st):
+        for idx in packs:
+            batch = data.collate([data.ds[i] for i in idx])
+            st.opt.zero_grad()
+            bare_forward_backward(st, batch, 1.0)
+            st.opt.step()
 
-        def bare_same_chunks():
-            for idx in packs:
-                chunks = data.micro(idx)
-                opt_bc.zero_grad()
-                for chunk, w in zip(chunks, T._weights(chunks)):  # noqa: SLF001
-                    bare_forward_backward(m_bc, chunk, w)
-                opt_bc.step()
-        fns["bare_same_chunks"] = bare_same_chunks
+    def bare_same_chunks(st):
+        for idx in packs:
+            chunks = data.micro(idx)
+            st.opt.zero_grad()
+            for chunk, w in zip(chunks, T.token_weights(chunks)):
+                bare_forward_backward(st, chunk, w)
+            st.opt.step()
 
-    times = interleave(fns, repeats)
+    run = {"loop": loop, "speculators_step": speculators_step,
+           "bare_same_chunks": bare_same_chunks}
+    return {name: functools.partial(run[name], st) for name, st in states.items()}
+
+
+def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, batch_tokens: int,
+                ttt_steps: int = 3, n_packs: int = 4, repeats: int = 3, lr: float = 1e-3,
+                variants: tuple[str, ...] = ("loop", "speculators_step", "bare_same_chunks")
+                ) -> dict:
+    """tokens/s of the train stage's step vs a bare speculators step on the same packed batches
+    (the same samples, read through the same ArrowDataset + CollateFn):
+      loop              eagle3pipe.train.step itself, on a TrainState from train.build_state:
+                        Batches.micro (collate into <= 512-token micro-batches on CPU),
+                        run_batch (bf16 autocast forward, token-weighted backward, accuracy
+                        counts), clip_grad_norm_, AdamW step, LR schedule, with
+                        torch.use_deterministic_algorithms(True) as train.setup sets on CPU
+      speculators_step  what speculators' Trainer does per step, minus its clipping/scheduler:
+                        collate the pack (padded to batch_tokens), one Eagle3DraftModel forward
+                        under bf16 autocast, backward, AdamW step; no determinism flag
+      bare_same_chunks  the bare forward/backward/step on exactly the loop's micro-batches: the
+                        loop's own overhead (metrics, clipping, schedule, determinism)
+    Every variant's model and AdamW come from train.build_state with the same seed."""
+    arch, data, states = train_states(verifier_dir, datapath, samples, draft_params, variants,
+                                      batch_tokens=batch_tokens, ttt_steps=ttt_steps, lr=lr)
+    packs = next(iter(states.values())).per_epoch[0][:n_packs]
+    tokens = sum(min(batch_tokens, sum(data.lengths[i] for i in idx)) for idx in packs)
+    times = interleave(train_variants(states, data, packs), repeats)
     res = {"tokens": tokens, "packs": len(packs), "batch_tokens": batch_tokens,
-           "ttt_steps": ttt_steps, "chunk_tokens": backend.chunk_tokens,
+           "ttt_steps": ttt_steps, "chunk_tokens": data.backend.chunk_tokens,
            "rounds": len(next(iter(times.values()))),
            "hidden_size": arch.hidden_size, "draft_head_dim": arch.head_dim,
            "draft_vocab_size": arch.draft_vocab_size,

@@ -64,7 +64,7 @@ def headline_verifier(quick: bool, work: Path):
     when `dvc repro` has produced them (else a random-init verifier of the default's sizes and
     synthetic samples). Quick: the micro embedded verifier, built here, synthetic samples."""
     from eagle3pipe import embedded, params
-    from eagle3pipe.extract import read_split
+    from eagle3pipe.samples import read as read_split
     from eagle3pipe.verifier import VerifierInfo
 
     mode = MODES["quick" if quick else "full"]

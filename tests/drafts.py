@@ -1,5 +1,5 @@
 """Test helper: writes real EAGLE-3 draft checkpoints (config.json + model.safetensors) in both
-layouts, with tensor names/shapes from arch.contract and configs rendered by render.py exactly as
+layouts, with tensor names/shapes from arch.contract and configs rendered by formats.py exactly as
 the `configs` stage renders them.
 
 Weights are random (seeded) or controlled; negative controls can drop tensors or build the
@@ -8,7 +8,6 @@ config that says 32).
 """
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -18,8 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe import arch as A
-from eagle3pipe import formats as render
+from eagle3pipe import formats
+from eagle3pipe.export import TORCH_DTYPE
 from eagle3pipe.params import DraftParams
+from eagle3pipe.runtime import dumps
 from eagle3pipe.verifier import VerifierInfo
 
 # Micro draft for the micro verifier of conftest.py (hidden 64, 4 layers, vocab 512).
@@ -28,9 +29,6 @@ MICRO_DRAFT = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                    norm_before_residual=True, rope_theta=10000.0, rope_scaling=None,
                    rms_norm_eps=1e-6, max_position_embeddings=1024, hidden_act="silu",
                    dtype="float32", num_speculative_tokens=3)
-
-TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-               "I64": torch.int64, "BOOL": torch.bool}
 
 
 def micro_draft_params(**overrides) -> DraftParams:
@@ -86,13 +84,12 @@ def make_weights(arch: A.DraftArch, layout: str, *, mode: str = "random", seed: 
 
 def config_for(arch: A.DraftArch, layout: str, *, verifier_dir: str | Path,
                num_speculative_tokens: int) -> dict:
-    vcfg = json.loads((Path(verifier_dir) / "config.json").read_text())
     if layout == "vllm":
-        return render.flat_config(arch)
-    return render.speculators_config(
+        return formats.flat_config(arch)
+    return formats.speculators_config(
         arch, num_speculative_tokens=num_speculative_tokens,
         verifier_name_or_path=str(verifier_dir),
-        verifier_architectures=vcfg.get("architectures") or [])
+        verifier_architectures=list(VerifierInfo.from_config(verifier_dir).architectures))
 
 
 def write_draft(out_dir: str | Path, arch: A.DraftArch, layout: str, *,
@@ -113,7 +110,7 @@ def write_draft(out_dir: str | Path, arch: A.DraftArch, layout: str, *,
               str(out / "model.safetensors"))
     cfg = config_for(arch, layout, verifier_dir=verifier_dir,
                      num_speculative_tokens=num_speculative_tokens)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(dumps(cfg))
     return out
 
 

@@ -14,15 +14,15 @@ from safetensors.torch import save_file
 from eagle3pipe import arch as A
 from eagle3pipe import check as C
 from eagle3pipe import cli
-from eagle3pipe import params as P
 from eagle3pipe import formats as R
-from eagle3pipe.verifier import VerifierInfo
+from eagle3pipe import params as P
+from eagle3pipe.checkpoint import check_checkpoint
+from eagle3pipe.export import TORCH_DTYPE
+from eagle3pipe.verifier import VerifierInfo, read_config
 
 from conftest import ROOT
 
 KIMI = ROOT / "examples/kimi-k2.5"
-TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-               "I64": torch.int64, "BOOL": torch.bool}
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -127,14 +127,14 @@ def write_checkpoint(d: Path, a: A.DraftArch, layout: str, *, drop=(), extra=Non
 @pytest.mark.parametrize("layout", ["vllm", "speculators"])
 def test_good_checkpoint_passes(tmp_path, layout):
     a = micro_arch(tmp_path)
-    assert C.check_checkpoint(write_checkpoint(tmp_path / "ck", a, layout), params_arch=a) == []
+    assert check_checkpoint(write_checkpoint(tmp_path / "ck", a, layout), a) == []
 
 
 def test_head_dim_112_config_over_128_weights(tmp_path):
     """vLLM silently trims such weights; the check names the tensor and head_dim."""
     big, small = micro_arch(tmp_path, head_dim=48), micro_arch(tmp_path, head_dim=32)
     ck = write_checkpoint(tmp_path / "ck", big, "vllm", config_arch=small)
-    problems = C.check_checkpoint(ck)
+    problems = check_checkpoint(ck)
     q = [p for p in problems if "midlayer.self_attn.q_proj.weight" in p]
     assert q and "head_dim=32" in q[0] and "[96, 128]" in q[0] and "[64, 128]" in q[0]
     assert any("o_proj" in p for p in problems)
@@ -142,7 +142,7 @@ def test_head_dim_112_config_over_128_weights(tmp_path):
 
 def test_missing_fc_weight(tmp_path):
     a = micro_arch(tmp_path)
-    problems = C.check_checkpoint(write_checkpoint(tmp_path / "ck", a, "vllm", drop=["fc.weight"]))
+    problems = check_checkpoint(write_checkpoint(tmp_path / "ck", a, "vllm", drop=["fc.weight"]))
     assert any("fc.weight missing" in p for p in problems), problems
 
 
@@ -151,7 +151,7 @@ def test_extra_and_wrong_layout_names(tmp_path):
     ck = write_checkpoint(tmp_path / "ck", a, "vllm",
                           extra={"layers.0.hidden_norm.weight": torch.zeros(64, dtype=torch.bfloat16),
                                  "verifier_lm_head.weight": torch.zeros(2, 2)})
-    problems = C.check_checkpoint(ck)
+    problems = check_checkpoint(ck)
     assert any("unexpected tensor layers.0.hidden_norm.weight (a speculators-layout name" in p
                for p in problems), problems
     assert any("unexpected tensor verifier_lm_head.weight" in p for p in problems)
@@ -160,20 +160,20 @@ def test_extra_and_wrong_layout_names(tmp_path):
 def test_wrong_dtype(tmp_path):
     a = micro_arch(tmp_path)
     ck = write_checkpoint(tmp_path / "ck", a, "vllm", dtypes={"norm.weight": "F32"})
-    assert any("norm.weight has dtype F32, expected BF16" in p for p in C.check_checkpoint(ck))
+    assert any("norm.weight has dtype F32, expected BF16" in p for p in check_checkpoint(ck))
 
 
 def test_fc_input_not_three_target_hidden(tmp_path):
     a = micro_arch(tmp_path)
     ck = write_checkpoint(tmp_path / "ck", a, "vllm", shapes={"fc.weight": (64, 256)})
-    problems = C.check_checkpoint(ck)
+    problems = check_checkpoint(ck)
     assert any("fc.weight has shape [64, 256]" in p and "3 aux layers" in p for p in problems)
 
 
 def test_all_zero_d2t_is_wrong_unless_t2d_marks_the_first_ids(tmp_path):
     a = micro_arch(tmp_path)
     ck = write_checkpoint(tmp_path / "ck", a, "vllm", d2t=torch.zeros(64, dtype=torch.int64))
-    problems = C.check_checkpoint(ck)
+    problems = check_checkpoint(ck)
     assert any("d2t is not consistent with t2d" in p and "draft id 1" in p for p in problems)
     # an all-zero d2t is right exactly when t2d marks ids 0..draft_vocab-1
     ok = tmp_path / "ok"
@@ -184,14 +184,18 @@ def test_all_zero_d2t_is_wrong_unless_t2d_marks_the_first_ids(tmp_path):
     t["t2d"] = torch.zeros(512, dtype=torch.bool)
     t["t2d"][:64] = True
     save_file(t, str(ok / "model.safetensors"))
-    assert C.check_checkpoint(ok) == []
+    assert check_checkpoint(ok) == []
 
 
 def test_config_vs_params_mismatch(tmp_path):
     a112, a128 = micro_arch(tmp_path, head_dim=48), micro_arch(tmp_path, head_dim=32)
     ck = write_checkpoint(tmp_path / "ck", a112, "vllm")
-    problems = C.check_checkpoint(ck, params_arch=a128)
+    problems = check_checkpoint(ck, a128)
     assert any("head_dim = 48 but params.yaml gives 32" in p for p in problems), problems
+    # the weights are checked against params' architecture too, naming the field
+    assert any("q_proj.weight has shape [96, 128] but params.yaml needs [64, 128] "
+               "(head_dim=32 x num_attention_heads=2 = 64)" in p for p in problems), problems
+    assert check_checkpoint(ck, a112) == []
 
 
 def test_config_without_head_dim(tmp_path):
@@ -200,8 +204,9 @@ def test_config_without_head_dim(tmp_path):
     cfg = json.loads((ck / "config.json").read_text())
     del cfg["head_dim"]
     (ck / "config.json").write_text(json.dumps(cfg))
-    problems = C.check_checkpoint(ck)
-    assert len(problems) == 1 and "head_dim missing" in problems[0]
+    problems = check_checkpoint(ck)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{ck / 'config.json'}: missing keys ['head_dim']")
 
 
 # ---- derived configs on disk
@@ -227,6 +232,25 @@ def test_hand_edited_config_is_reported(tmp_path):
     assert rc == 1
     assert f"{f}: differs from what params.yaml renders (head_dim: on disk 112, params.yaml " \
            "renders 128)" in err
+
+
+def test_cli_checks_a_checkpoint_against_params(tmp_path):
+    """`eagle3pipe check --checkpoint`: the contract of the checkpoint's own config and the
+    architecture params.yaml derives (here for another head_dim than the checkpoint's)."""
+    from dataclasses import replace
+
+    v = _repo_with_configs(tmp_path)
+    a = A.derive(P.load(ROOT / "params.yaml").draft, VerifierInfo.from_config(v))
+    base = ["check", "--params", ROOT / "params.yaml", "--verifier-config", v,
+            "--configs", tmp_path / "configs", "--no-scan"]
+    rc, out, err = run_cli(*base, "--checkpoint", write_checkpoint(tmp_path / "good", a, "vllm"))
+    assert rc == 0 and "check: OK" in out, err
+    bad = write_checkpoint(tmp_path / "bad", replace(a, head_dim=64), "speculators")
+    rc, out, err = run_cli(*base, "--checkpoint", bad)
+    assert rc == 1
+    assert f"{bad / 'config.json'}: head_dim = 64 but {ROOT / 'params.yaml'} gives 128" in err
+    assert "layers.0.self_attn.q_proj.weight has shape [256, 512] but " \
+           f"{ROOT / 'params.yaml'} needs [512, 512]" in err
 
 
 def test_render_is_byte_identical_and_idempotent(tmp_path):
@@ -278,6 +302,6 @@ def test_scan_finds_stale_constants(tmp_path):
 
 def test_repository_has_no_stale_constants():
     params = P.load(ROOT / "params.yaml")
-    vcfg = json.loads((ROOT / "configs/verifier_config.json").read_text()) \
+    vcfg = read_config(ROOT / "configs/verifier_config.json")[1] \
         if (ROOT / "configs/verifier_config.json").exists() else None
     assert C.scan_constants(ROOT, params, vcfg) == []

@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 
 from eagle3pipe import arch as archmod
 from eagle3pipe import export as exportmod
-from eagle3pipe import formats as render
+from eagle3pipe import formats
 from eagle3pipe import train as trainmod
-from eagle3pipe.check import check_checkpoint
+from eagle3pipe.checkpoint import check_checkpoint
+from eagle3pipe.verifier import read_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import MICRO_TRAIN, draft_arch, make_inputs, write_draft_config  # noqa: E402
@@ -27,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def render_configs(verifier: Path, out: Path, **overrides) -> archmod.DraftArch:
     """configs/speculators/config.json and configs/vllm/config.json as the configs stage
-    renders them (render.render, embedded-verifier mode)."""
+    renders them (formats.render, embedded-verifier mode)."""
     a = draft_arch(verifier, **overrides)
-    files = render.render(a, verifier_config=json.loads((verifier / "config.json").read_text()),
-                          verifier_path=None, num_speculative_tokens=3)
-    render.write(files, out)
+    files = formats.render(a, verifier_config=read_config(verifier)[0], verifier_path=None,
+                           num_speculative_tokens=3)
+    formats.write(files, out)
     return a
 
 
@@ -60,7 +61,7 @@ def test_both_exports_pass_the_contract_check(exported):
     for fmt in ("speculators", "vllm"):
         d = ex / fmt
         assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
-        assert check_checkpoint(d, params_arch=exported.arch) == []
+        assert check_checkpoint(d, exported.arch) == []
         # the configs are the configs/ files, byte for byte: drift is impossible
         assert (d / "config.json").read_bytes() == \
             (exported.root / "configs" / fmt / "config.json").read_bytes()
@@ -128,9 +129,10 @@ def test_a_checkpoint_trained_with_another_head_dim_is_rejected(exported, tmp_pa
         exportmod.export(tmp_path / "train16", root / "configs/speculators/config.json",
                          root / "configs/vllm/config.json", exported.verifier, out)
     msg = str(e.value)
-    assert ("layers.0.self_attn.q_proj.weight has [64, 128] but the config's head_dim 32 x 4 "
-            "heads") in msg
-    assert "needs [128, 128]" in msg
+    vllm_config = root / "configs/vllm/config.json"
+    assert f"head_dim = 16 but {vllm_config} gives 32" in msg
+    assert (f"tensor layers.0.self_attn.q_proj.weight has shape [64, 128] but {vllm_config} "
+            "needs [128, 128] (head_dim=32 x num_attention_heads=4 = 128)") in msg
     assert "k_proj" in msg and "o_proj" in msg
     assert (out / "sentinel").read_text() == "old export"
 
@@ -144,10 +146,41 @@ def test_a_checkpoint_trained_with_other_aux_ids_is_rejected(exported, tmp_path)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(exportmod.ExportError, match=r"trained with aux_layer_ids = \[0, 1, 2\]"):
+    with pytest.raises(exportmod.ExportError, match=r"aux_layer_ids = \[0, 1, 2\] but "
+                                                    r".*vllm/config.json gives \[1, 2, 3\]"):
         exportmod.export(ckpt, exported.root / "configs/speculators/config.json",
                          exported.root / "configs/vllm/config.json", exported.verifier,
                          tmp_path / "export")
+
+
+def test_a_missing_field_is_refused_not_defaulted(exported, tmp_path):
+    """What the old parser invented (rms eps 1e-6, rope_theta 10000) is now an error naming the
+    file and the key, in the trained checkpoint's config and in configs/ alike."""
+    import shutil
+
+    from eagle3pipe.formats import ConfigError
+
+    ckpt = tmp_path / "train"
+    shutil.copytree(exported.root / "train", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["transformer_layer_config"]["rms_norm_eps"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(exportmod.ExportError) as e:
+        exportmod.export(ckpt, exported.root / "configs/speculators/config.json",
+                         exported.root / "configs/vllm/config.json", exported.verifier,
+                         tmp_path / "export")
+    assert f"{ckpt / 'config.json'}: missing keys ['transformer_layer_config.rms_norm_eps']" \
+        in str(e.value)
+    flat = tmp_path / "vllm.json"
+    cfg = json.loads((exported.root / "configs/vllm/config.json").read_text())
+    del cfg["rope_theta"]
+    flat.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"^{flat}: missing keys \['rope_theta'\]; "
+                                          r"regenerate it with `dvc repro configs`"):
+        exportmod.export(exported.root / "train",
+                         exported.root / "configs/speculators/config.json", flat,
+                         exported.verifier, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
 
 
 def test_configs_that_disagree_are_rejected(exported, tmp_path):
@@ -161,18 +194,27 @@ def test_configs_that_disagree_are_rejected(exported, tmp_path):
 
 
 def test_stage_script(exported, tmp_path):
+    from eagle3pipe.errors import EXIT_CODE
+
     root = exported.root
-    cmd = [sys.executable, str(ROOT / "stages" / "export.py"), "--checkpoint", str(root / "train"),
-           "--speculators-config", str(root / "configs/speculators/config.json"),
-           "--vllm-config", str(root / "configs/vllm/config.json"),
-           "--verifier", str(exported.verifier), "--out", str(tmp_path / "export")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    def cmd(checkpoint: Path, out: Path) -> list[str]:
+        return [sys.executable, str(ROOT / "stages" / "export.py"),
+                "--params", str(ROOT / "params.yaml"), "--dvc-yaml", str(ROOT / "dvc.yaml"),
+                "--checkpoint", str(checkpoint),
+                "--speculators-config", str(root / "configs/speculators/config.json"),
+                "--vllm-config", str(root / "configs/vllm/config.json"),
+                "--verifier", str(exported.verifier), "--out", str(out)]
+
+    r = subprocess.run(cmd(root / "train", tmp_path / "export"), capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     for fmt in ("speculators", "vllm"):
         # deterministic: the stage writes the same bytes as the fixture's export
         for name in ("config.json", "model.safetensors"):
             assert (tmp_path / "export" / fmt / name).read_bytes() == \
                 (root / "export" / fmt / name).read_bytes()
-    bad = subprocess.run(cmd[:3] + [str(tmp_path / "nowhere")] + cmd[4:-1]
-                         + [str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "run `dvc repro train`" in bad.stderr
+    bad = subprocess.run(cmd(tmp_path / "nowhere", tmp_path / "x"), capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert bad.returncode == EXIT_CODE and "run `dvc repro train`" in bad.stderr, bad.stderr
+    assert not (tmp_path / "x").exists()

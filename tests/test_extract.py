@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe import extract
+from eagle3pipe import samples
 from eagle3pipe.extract import ExtractError
+from eagle3pipe.samples import SamplesError
 
 ROOT = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]
@@ -242,9 +244,9 @@ def test_validation_rejects_nan_and_wrong_tokens(extracted, tmp_path):
     copy = tmp_path / "train"
     shutil.copytree(root / "hidden" / "train", copy)
     save_file(bad, str(copy / "hidden_states" / "hs_2.safetensors"))
-    samples = extract.read_split(ds_dir / "train.jsonl", 512, None)
+    rows = samples.read(ds_dir / "train.jsonl", 512)
     with pytest.raises(ExtractError, match="hs_2.safetensors"):
-        extract.validate_split(copy, samples, 4, H, torch.bfloat16)
+        extract.validate_split(copy, rows, 4, H, torch.bfloat16)
 
 
 def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_path):
@@ -271,8 +273,8 @@ def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_
     row = json.loads(lines[1])
     row["loss_mask"] = row["loss_mask"][:-1]
     (ds / "eval.jsonl").write_text(lines[0] + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(ExtractError, match=r"eval.jsonl:2: loss_mask"):
-        extract.read_split(ds / "eval.jsonl", 512, None)
+    with pytest.raises(SamplesError, match=r"eval.jsonl:2: loss_mask"):
+        samples.read(ds / "eval.jsonl", 512)
 
 
 # ---------------------------------------------------------------------------------------------

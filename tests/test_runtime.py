@@ -4,14 +4,14 @@ import re
 
 import pytest
 
-from eagle3pipe import extract, smoke, train, verifier
+from eagle3pipe import extract, formats, smoke, verifier
 
 # (reader, error class, file it reads relative to the directory it is given, fix it must name)
 READERS = {
     "extract.read_capture": (lambda d: extract.read_capture(d / "capture.json"),
                              extract.ExtractError, "capture.json", "dvc repro configs"),
-    "train.load_draft_config": (lambda d: train.load_draft_config(d / "draft_config.json"),
-                                train.TrainInputError, "draft_config.json", "dvc repro configs"),
+    "formats.read_draft_config": (lambda d: formats.read_draft_config(d / "draft_config.json"),
+                                  formats.ConfigError, "draft_config.json", "dvc repro configs"),
     "smoke.speculative_tokens": (lambda d: smoke.speculative_tokens(d),
                                  smoke.SmokeError, "speculators/config.json", "dvc repro export"),
     "verifier.read_manifest": (lambda d: verifier.read_manifest(d), verifier.VerifierError,
@@ -38,7 +38,7 @@ def test_broken_generated_json_names_file_line_and_fix(tmp_path, reader, broken)
     assert re.search(what, msg), msg
 
 
-@pytest.mark.parametrize("reader", ["extract.read_capture", "train.load_draft_config",
+@pytest.mark.parametrize("reader", ["extract.read_capture", "formats.read_draft_config",
                                     "smoke.speculative_tokens"])
 def test_missing_generated_json_names_file_and_fix(tmp_path, reader):
     read, error, rel, fix = READERS[reader]

@@ -74,7 +74,7 @@ def test_mismatch_names_prompt_and_position():
 
 
 def test_draft_helper_writes_what_the_contract_check_accepts(micro_verifier, tmp_path):
-    from eagle3pipe import check
+    from eagle3pipe import checkpoint as check
 
     arch = drafts.micro_arch(micro_verifier)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
@@ -110,7 +110,7 @@ def test_engineless_both_formats_load(micro_verifier, tmp_path, draft_vocab):
 
 def test_engineless_catches_weights_built_for_another_head_dim(micro_verifier, tmp_path):
     """vLLM silently narrows head_dim-64 weights under a config saying 32."""
-    from eagle3pipe import check
+    from eagle3pipe import checkpoint as check
 
     arch = drafts.micro_arch(micro_verifier)
     assert arch.head_dim == 32

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe import arch as archmod
+from eagle3pipe import batches, distributed, formats, vocab
 from eagle3pipe import train as trainmod
 from eagle3pipe.params import DraftParams
 from eagle3pipe.verifier import VerifierInfo
@@ -211,11 +212,50 @@ def test_checkpoint_reloads_in_speculators(inputs, trained):
         assert torch.equal(sd[name].to(tensor.dtype), tensor), name
 
 
+def test_trainer_parts_are_what_fit_runs(inputs, trained):
+    """setup -> TrainState, evaluate and step are fit()'s own parts: a fresh state's eval and
+    first step give the values the trained fixture's fit() logged at steps 0 and 1."""
+    s = trainmod.setup(types.SimpleNamespace(**MICRO_TRAIN), inputs.draft_config,
+                       inputs.verifier, inputs.hidden, inputs.vocab, max_steps=1)
+    assert (s.limit, s.step) == (1, 0)
+    for e, packs in enumerate(s.per_epoch):  # one rank: the seeded epoch order, all of it
+        assert packs == batches.epoch_batches(s.train.lengths, MICRO_TRAIN["batch_tokens"], 0, e)
+    plots = trained.metrics / "plots" / "metrics"
+    ev = trainmod.evaluate(s)
+    assert float(f"{ev['loss']:.6g}") == _tsv(plots / "eval" / "loss.tsv")[0][1]
+    s.model.train()
+    before = s.core.fc.weight.detach().clone()
+    loss, lr = trainmod.step(s, s.per_epoch[0][0])
+    assert s.step == 1 and not torch.equal(before, s.core.fc.weight)
+    assert _tsv(plots / "train" / "loss.tsv")[0] == (1, float(f"{loss:.6g}"))
+    assert lr == pytest.approx(MICRO_TRAIN["learning_rate"] / (MICRO_TRAIN["warmup_steps"] + 1))
+    trainmod.evaluate(s)
+    assert s.core.training  # evaluate restores the mode it found
+
+
+def test_multi_process_needs_cuda_or_the_test_switch(monkeypatch):
+    monkeypatch.delenv(distributed.CPU_DDP_TEST_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(distributed.DistributedError,
+                       match="multi-process training is for GPUs; set train.device: cuda"):
+        distributed.setup_distributed("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    d = distributed.setup_distributed("cpu")
+    assert d == distributed.Dist() and d.main and d.device.type == "cpu"
+    layer = torch.nn.Linear(2, 2)
+    assert distributed.wrap_model(layer, d) is layer  # no DDP alone
+    t = torch.ones(3)
+    assert distributed.all_reduce(t, d) is t and torch.equal(t, torch.ones(3))
+    if not torch.cuda.is_available():
+        with pytest.raises(distributed.DistributedError, match="sees no CUDA device"):
+            distributed.setup_distributed("cuda")
+
+
 def test_packing_is_seeded_and_bounded():
     lengths = [100, 300, 50, 700, 20, 256, 256, 10]
-    a = trainmod.epoch_batches(lengths, 512, seed=0, epoch=1)
-    assert a == trainmod.epoch_batches(lengths, 512, seed=0, epoch=1)
-    assert a != trainmod.epoch_batches(lengths, 512, seed=0, epoch=2)
+    a = batches.epoch_batches(lengths, 512, seed=0, epoch=1)
+    assert a == batches.epoch_batches(lengths, 512, seed=0, epoch=1)
+    assert a != batches.epoch_batches(lengths, 512, seed=0, epoch=2)
     assert sorted(i for b in a for i in b) == list(range(len(lengths)))
     for b in a:
         assert len(b) == 1 or sum(lengths[i] for i in b) <= 512
@@ -226,34 +266,32 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
     d = json.loads(inputs.draft_config.read_text())
     d.pop("head_dim")
     bad.write_text(json.dumps(d))
-    with pytest.raises(trainmod.TrainInputError, match=r"draft_config\.json.*head_dim"):
-        trainmod.load_draft_config(bad)
+    with pytest.raises(formats.ConfigError, match=r"draft_config\.json.*head_dim"):
+        formats.read_draft_config(bad)
     # a vocab map whose d2t is all zeros loads in vLLM and is wrong: rejected here
     t = load_file(str(inputs.vocab / "vocab_map.safetensors"))
     (tmp_path / "v").mkdir()
     save_file({"d2t": torch.zeros_like(t["d2t"]), "t2d": t["t2d"]},
               str(tmp_path / "v" / "vocab_map.safetensors"))
-    with pytest.raises(trainmod.TrainInputError, match="d2t and t2d disagree"):
-        trainmod.load_vocab_map(tmp_path / "v", inputs.arch)
+    with pytest.raises(vocab.VocabError, match="d2t and t2d disagree"):
+        vocab.load(tmp_path / "v", inputs.arch.draft_vocab_size, inputs.arch.vocab_size)
     # a draft config for another verifier (stale configs/) is rejected
     other = tmp_path / "other.json"
     d = json.loads(inputs.draft_config.read_text())
     d["hidden_size"] = d["target_hidden_size"] = 128
     other.write_text(json.dumps(d))
     with pytest.raises(trainmod.TrainInputError, match="hidden_size=128.*stale"):
-        trainmod.check_against_verifier(trainmod.load_draft_config(other),
+        trainmod.check_against_verifier(formats.read_draft_config(other),
                                         VerifierInfo.from_config(inputs.verifier))
 
 
 def test_transformer_layer_config_keeps_explicit_head_dim(inputs):
-    from eagle3pipe import formats as render
-
     cfg = trainmod.speculator_config(inputs.arch, inputs.verifier, speculative_tokens=3,
                                      attn_impl="sdpa").transformer_layer_config
     assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
     assert cfg._attn_implementation == "sdpa"
     # the layer trained is the layer the configs stage renders for export
-    assert cfg.to_dict() == render.transformer_layer_config(inputs.arch).to_dict()
+    assert cfg.to_dict() == formats.transformer_layer_config(inputs.arch).to_dict()
 
 
 def test_cpu_micro_batches_give_the_packed_step(inputs):
@@ -264,12 +302,12 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
     from speculators.train.data import CollateFn
 
     torch.manual_seed(0)
-    a = trainmod.load_draft_config(inputs.draft_config)
-    d2t, t2d = trainmod.load_vocab_map(inputs.vocab, a)
+    a = formats.read_draft_config(inputs.draft_config)
+    d2t, t2d = vocab.load(inputs.vocab, a.draft_vocab_size, a.vocab_size)
     model = trainmod.build_model(a, inputs.verifier, d2t, t2d, speculative_tokens=3,
                                  attn_impl="sdpa")
-    ds = trainmod.open_datapath(inputs.hidden / "train", 1024, torch.float32)
-    exact = dataclasses.replace(trainmod.backend_for("cpu"), autocast=None,
+    ds = batches.open_datapath(inputs.hidden / "train", 1024, torch.float32)
+    exact = dataclasses.replace(distributed.backend_for("cpu"), autocast=None,
                                 data_dtype=torch.float32)
     collate = CollateFn(1024, a.target_hidden_size, 3, dtype=torch.float32,
                         preprocess=shift_batch)
@@ -277,13 +315,14 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
     lc = resolve_loss_config("kl_div", "eager")
     results = []
     for chunk in (None, 300):
-        b = trainmod.Batches(ds, inputs.hidden / "train", collate,
+        b = batches.Batches(ds, inputs.hidden / "train", collate,
                              dataclasses.replace(exact, chunk_tokens=chunk))
         micro = b.micro(idx)
         assert (len(micro) == 1) == (chunk is None)
         model.zero_grad()
         loss, counts = trainmod.run_batch(model, micro, ttt_steps=3, loss_config=lc,
-                                          backend=b.backend, d=trainmod.Dist(), backward=True)
+                                          backend=b.backend, d=distributed.Dist(),
+                                          backward=True)
         results.append((loss, counts, model.fc.weight.grad.clone()))
     (l1, c1, g1), (l2, c2, g2) = results
     assert l1.item() == pytest.approx(l2.item(), rel=1e-4)
@@ -310,7 +349,7 @@ def test_stage_script_runs_from_params(inputs, tmp_path):
     assert (tmp_path / "metrics" / "train" / "metrics.json").is_file()
     assert not (tmp_path / ".dvc").exists() and not (tmp_path / "metrics" / "train" /
                                                      "dvc.yaml").exists()
-    assert "acceptance length (training estimate)" in r.stdout
+    assert "acceptance length (training estimate)" in r.stderr  # stage.main logs to stderr
 
 
 @pytest.mark.slow

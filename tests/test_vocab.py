@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eagle3pipe import vocab
+from eagle3pipe.samples import SamplesError
 from eagle3pipe.vocab import VocabError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,16 +86,17 @@ def test_draft_vocab_larger_than_vocab_refused(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"input_ids": [1, 2], "loss_mask": [1]}', "input_ids has 2 tokens, loss_mask 1"),
-    ('{"input_ids": [1, 70], "loss_mask": [1, 1]}', "token id 70 outside the verifier vocab"),
-    ('{"input_ids": [1, 2], "loss_mask": [1, 2]}', "loss_mask holds 2"),
-    ('{"input_ids": [1, 2]', "not valid JSON"),
-    ('{"loss_mask": [1]}', "needs lists input_ids and loss_mask"),
+    ('{"id": "b", "input_ids": [1, 2], "loss_mask": [1]}', "loss_mask must be a list of 0/1"),
+    ('{"id": "b", "input_ids": [1, 70], "loss_mask": [1, 1]}',
+     "token id 70 outside the verifier vocabulary"),
+    ('{"id": "b", "input_ids": [1, 2], "loss_mask": [1, 2]}', "loss_mask must be a list of 0/1"),
+    ('{"id": "b", "input_ids": [1, 2]', "invalid JSON"),
+    ('{"id": "b", "loss_mask": [1]}', "missing key(s) ['input_ids']"),
 ])
 def test_bad_dataset_lines_name_file_and_line(tmp_path, line, message):
     f = tmp_path / "train.jsonl"
-    f.write_text('{"input_ids": [1], "loss_mask": [1]}\n' + line + "\n")
-    with pytest.raises(VocabError, match=re.escape(f"{f}:2: ") + ".*" + re.escape(message)):
+    f.write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n' + line + "\n")
+    with pytest.raises(SamplesError, match=re.escape(f"{f}:2: ") + ".*" + re.escape(message)):
         vocab.count_masked_tokens(f, 64, progress=False)
 
 

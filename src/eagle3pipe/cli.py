@@ -7,10 +7,13 @@ import sys
 from pathlib import Path
 
 from eagle3pipe import check as C
-from eagle3pipe import params as P
 from eagle3pipe import formats as R
-from eagle3pipe.arch import ArchError, derive
-from eagle3pipe.verifier import VerifierConfigError, VerifierInfo
+from eagle3pipe import params as P
+from eagle3pipe.arch import derive
+from eagle3pipe.checkpoint import check_checkpoint
+from eagle3pipe.errors import Error
+from eagle3pipe.runtime import read_json_object
+from eagle3pipe.verifier import VerifierInfo, read_config
 
 
 def _load(args) -> tuple[P.Params, Path]:
@@ -22,12 +25,10 @@ def _load(args) -> tuple[P.Params, Path]:
 
 def cmd_render(args) -> int:
     params, vcfg = _load(args)
-    files = R.render_files(params.draft, params.verifier.path, vcfg, params_file=args.params,
-                           lines=P.lines_of(params))
-    written = R.write(files, args.out)
-    for rel in files:
-        state = "written" if Path(args.out) / rel in written else "unchanged"
-        print(f"{Path(args.out) / rel}: {state}")
+    states = R.render_into(args.out, params.draft, params.verifier.path, vcfg,
+                           params_file=args.params, lines=P.lines_of(params))
+    for path, state in states.items():
+        print(f"{path}: {state}")
     return 0
 
 
@@ -44,11 +45,12 @@ def cmd_check(args) -> int:
         print(f"derived configs in {args.configs}/: {'OK' if not found else 'STALE'}")
         problems += found
     for ckpt in args.checkpoint or []:
-        found = C.check_checkpoint(ckpt, params_arch=arch)
+        found = check_checkpoint(ckpt, arch, against=args.params)
         print(f"checkpoint {ckpt}: {'OK' if not found else f'{len(found)} problem(s)'}")
         problems += found
     if args.reference:
-        ref = json.loads(Path(args.reference).read_text())
+        ref = read_json_object(args.reference, R.ConfigError,
+                               "pass a published flat EAGLE-3 config.json", "reference config")
         rows, found = C.compare_reference(json.loads(files["vllm/config.json"]), ref)
         print(f"reference {args.reference}:")
         for r in rows:
@@ -58,7 +60,7 @@ def cmd_check(args) -> int:
                   f"reference={r['reference']!r}")
         problems += [f"{args.reference}: {p}" for p in found]
     if not args.no_scan:
-        found = C.scan_constants(args.root, params, json.loads(vcfg.read_text()))
+        found = C.scan_constants(args.root, params, read_config(vcfg)[1])
         print(f"hand-written architecture constants: {'none contradict params.yaml' if not found else len(found)}")
         problems += found
     if problems:
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_deps(args)
     try:
         return cmd_render(args) if args.cmd == "render" else cmd_check(args)
-    except (P.ParamsError, ArchError, VerifierConfigError, FileNotFoundError) as e:
+    except Error as e:
         print(f"eagle3pipe {args.cmd}: {e}", file=sys.stderr)
         return 2
 

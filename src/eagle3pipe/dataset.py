@@ -39,6 +39,7 @@ from tqdm import tqdm
 from eagle3pipe import corpus
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import atomic_dir
+from eagle3pipe.samples import write_jsonl
 from eagle3pipe.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -336,17 +337,6 @@ def split(samples: list[dict], eval_fraction: float, seed: int) -> tuple[list[di
     train = [s for s in samples if s["id"] not in eval_ids]
     evals = [s for s in samples if s["id"] in eval_ids]
     return train, evals
-
-
-def line(sample: dict) -> str:
-    """Canonical JSON of one sample."""
-    return json.dumps(sample, sort_keys=True, separators=(",", ":")) + "\n"
-
-
-def write_jsonl(path: Path, samples: list[dict]) -> None:
-    with path.open("w", encoding="utf-8", newline="\n") as fh:
-        for s in samples:
-            fh.write(line(s))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from eagle3pipe.runtime import atomic_dir, read_json_object, seed_everything, write_json
 from eagle3pipe.errors import Error
+from eagle3pipe.samples import Sample, read as read_split
 from eagle3pipe.verifier import Verifier, VerifierInfo
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,6 @@ class CaptureSpec:
     @property
     def num_slots(self) -> int:
         return len(self.aux_layer_ids) + 1
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    input_ids: tuple[int, ...]
-    loss_mask: tuple[int, ...]
 
 
 def read_capture(path: str | os.PathLike, info: VerifierInfo | None = None) -> CaptureSpec:
@@ -126,48 +120,6 @@ def check_capture_matches(spec: CaptureSpec, info: VerifierInfo, path: str | os.
         raise ExtractError(f"{path}: does not match the verifier: " + "; ".join(problems)
                            + ". The capture config is stale: regenerate it with `dvc repro "
                            "configs` (or point --capture/--verifier at matching files)")
-
-
-def read_split(path: str | os.PathLike, vocab_size: int, max_positions: int | None) -> list[Sample]:
-    """Reads one dataset JSONL ({"id","input_ids","loss_mask","messages"} per line)."""
-    path = Path(path)
-    fix = "regenerate it with `dvc repro dataset`"
-    if not path.is_file():
-        raise ExtractError(f"{path}: dataset split not found; {fix}")
-    samples: list[Sample] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ExtractError(f"{where}: invalid JSON ({e.msg}); {fix}") from None
-            if not isinstance(row, dict):
-                raise ExtractError(f"{where}: expected a JSON object; {fix}")
-            missing = [k for k in ("id", "input_ids", "loss_mask") if k not in row]
-            if missing:
-                raise ExtractError(f"{where}: missing key(s) {missing}; {fix}")
-            ids, mask = row["input_ids"], row["loss_mask"]
-            if (not isinstance(ids, list) or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-                raise ExtractError(f"{where}: input_ids must be a non-empty list of integers; {fix}")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ExtractError(f"{where}: token id {bad[0]} outside the verifier vocabulary "
-                                   f"[0, {vocab_size}); the dataset was tokenized for another "
-                                   f"verifier: {fix}")
-            if not isinstance(mask, list) or len(mask) != len(ids) or any(
-                    m not in (0, 1) or isinstance(m, bool) for m in mask):
-                raise ExtractError(f"{where}: loss_mask must be a list of 0/1 with one entry per "
-                                   f"input id ({len(ids)}); {fix}")
-            if max_positions is not None and len(ids) > max_positions:
-                raise ExtractError(f"{where}: {len(ids)} tokens exceed the verifier's "
-                                   f"max_position_embeddings={max_positions}; lower "
-                                   f"dataset.max_seq_len in params.yaml")
-            samples.append(Sample(str(row["id"]), tuple(ids), tuple(mask)))
-    return samples
 
 
 def load_verifier(model_path: str | os.PathLike):

@@ -103,7 +103,7 @@ def read_manifest(verifier_dir: str | Path) -> dict | None:
 
 def _verify_unchanged(ext: Path, manifest: dict, where: Path) -> None:
     """Raises unless the external checkpoint is what the manifest fingerprinted (headers mode:
-    seconds for terabytes). DVC cannot see outside the project; this does."""
+    it reads no weights). DVC cannot see outside the project; this does."""
     from eagle3pipe import fingerprint as fp
 
     fix = "run `dvc repro -f -s verifier` (the checkpoint changed after the verifier stage ran)"

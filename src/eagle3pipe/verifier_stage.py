@@ -69,7 +69,7 @@ def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
 
 
 def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
-    if draft is not None:  # fail in milliseconds, not after minutes of training
+    if draft is not None:  # fail before building anything
         planned = VerifierInfo(
             source=f"{params_file} verifier.embedded (the embedded verifier to be built)",
             hidden_size=e.hidden_size, num_hidden_layers=e.num_hidden_layers,
@@ -77,7 +77,7 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
             bos_token_id=None, eos_token_id=None, model_type="llama",
             architectures=("LlamaForCausalLM",))
         check_draft(draft, planned, params_file=params_file, lines=lines)
-    from eagle3pipe import embedded  # imports torch: after the millisecond check
+    from eagle3pipe import embedded  # imports torch: after the check
 
     t0 = time.perf_counter()
     with atomic_dir(out_dir) as tmp:

@@ -12,18 +12,18 @@ build_vocab_mappings_from_distribution, reused as is):
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import atomic_dir, write_json
+from eagle3pipe.samples import read as read_samples
 
 log = logging.getLogger(__name__)
+MAP_FILE = "vocab_map.safetensors"
 
 
 class VocabError(Error, ValueError):
@@ -32,44 +32,14 @@ class VocabError(Error, ValueError):
 
 def count_masked_tokens(train_jsonl: str | Path, vocab_size: int, *,
                         progress: bool = True) -> tuple[Counter, int]:
-    """Counts of target ids at loss-masked positions, and the number of samples read. Every bad
-    line is an error naming file:line."""
-    path = Path(train_jsonl)
-    if not path.is_file():
-        raise VocabError(f"{path}: not found; run the dataset stage first (dvc repro dataset)")
-    counts: Counter = Counter()
-    n = 0
-    with path.open(encoding="utf-8") as fh:
-        for lineno, raw in enumerate(tqdm(fh, desc="vocab: count", disable=not progress,
-                                          mininterval=1.0), start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                sample = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise VocabError(f"{where}: not valid JSON ({e}); fix: rerun the dataset "
-                                 "stage") from None
-            ids, mask = sample.get("input_ids"), sample.get("loss_mask")
-            if not isinstance(ids, list) or not isinstance(mask, list):
-                raise VocabError(f"{where}: needs lists input_ids and loss_mask; fix: rerun the "
-                                 "dataset stage")
-            if len(ids) != len(mask):
-                raise VocabError(f"{where}: input_ids has {len(ids)} tokens, loss_mask "
-                                 f"{len(mask)}; fix: rerun the dataset stage")
-            for t, m in zip(ids, mask):
-                if m not in (0, 1):
-                    raise VocabError(f"{where}: loss_mask holds {m!r}, expected 0 or 1")
-                if m:
-                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                        raise VocabError(
-                            f"{where}: token id {t!r} outside the verifier vocab [0, "
-                            f"{vocab_size}); fix: rebuild the dataset with this verifier")
-                    counts[t] += 1
-            n += 1
-    if n == 0:
-        raise VocabError(f"{path}: no samples; fix: rerun the dataset stage with more data")
-    return counts, n
+    """Counts of target ids at loss-masked positions, and the number of samples read
+    (eagle3pipe.samples.read: every bad line is an error naming file:line)."""
+    rows = read_samples(train_jsonl, vocab_size, progress=progress, desc="vocab: count")
+    if not rows:
+        raise VocabError(f"{train_jsonl}: no samples; fix: rerun the dataset stage with more "
+                         "data")
+    counts: Counter = Counter(t for r in rows for t, m in zip(r.input_ids, r.loss_mask) if m)
+    return counts, len(rows)
 
 
 def build_mapping(counts: dict[int, int], draft_vocab_size: int, vocab_size: int, *,
@@ -83,11 +53,24 @@ def build_mapping(counts: dict[int, int], draft_vocab_size: int, vocab_size: int
 
     d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), draft_vocab_size, vocab_size)
     d2t, t2d = d2t.to(torch.int64).contiguous(), t2d.to(torch.bool).contiguous()
-    # the invariants every consumer relies on
-    targets = torch.arange(draft_vocab_size) + d2t
-    assert int(t2d.sum()) == draft_vocab_size
-    assert torch.equal(targets, torch.nonzero(t2d).flatten())
+    problem = mapping_problem(d2t, t2d)  # the invariant every consumer relies on
+    assert problem is None, problem
     return d2t, t2d
+
+
+def mapping_problem(d2t: torch.Tensor, t2d: torch.Tensor) -> str | None:
+    """None if target id = draft id + d2t[draft id] lists exactly the ids t2d marks, in order
+    (what vLLM's and speculators' samplers assume; an all-zero d2t is right only for t2d =
+    0..n-1), else what is wrong."""
+    targets = torch.arange(len(d2t)) + d2t.long()
+    marked = torch.nonzero(t2d.bool()).flatten()
+    if len(marked) != len(targets):
+        return f"t2d marks {len(marked)} ids, draft vocab is {len(targets)}"
+    if torch.equal(marked, targets):
+        return None
+    bad = int((targets != marked).nonzero()[0])
+    return (f"first mismatch at draft id {bad}: draft+d2t = {int(targets[bad])}, t2d marks "
+            f"{int(marked[bad])}")
 
 
 def stats(counts: dict[int, int], d2t: torch.Tensor, samples: int) -> dict:
@@ -110,19 +93,41 @@ def save(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, st: dict) ->
     from safetensors.torch import save_file
 
     with atomic_dir(out_dir) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d}, str(tmp / "vocab_map.safetensors"))
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp / MAP_FILE))
         write_json(tmp / "stats.json", st)
 
 
-def load(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) from a vocab_map.safetensors file or the directory holding it."""
+def load(path: str | Path, draft_vocab_size: int | None = None, vocab_size: int | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [draft_vocab], t2d bool [vocab]) from a vocab_map.safetensors file or the
+    directory holding it, checked: the tensors, their dtypes, the sizes (when given) and that
+    target ids = arange(draft_vocab) + d2t are exactly the ascending ids where t2d is set."""
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if path.is_dir():
-        path = path / "vocab_map.safetensors"
-    t = load_file(str(path))
-    return t["d2t"], t["t2d"]
+    p = Path(path)
+    if p.is_dir():
+        p = p / MAP_FILE
+    fix = "rerun `dvc repro vocab`"
+    if not p.is_file():
+        raise VocabError(f"{p}: vocab map not found; {fix}")
+    t = load_file(str(p))
+    for name in ("d2t", "t2d"):
+        if name not in t:
+            raise VocabError(f"{p}: tensor '{name}' missing; {fix}")
+    d2t, t2d = t["d2t"], t["t2d"]
+    n = draft_vocab_size if draft_vocab_size is not None else d2t.numel()
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (n,):
+        raise VocabError(f"{p}: d2t is {d2t.dtype} {list(d2t.shape)}, the draft needs "
+                         f"int64 [{n}] (draft.draft_vocab_size); {fix}")
+    v = vocab_size if vocab_size is not None else t2d.numel()
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (v,):
+        raise VocabError(f"{p}: t2d is {t2d.dtype} {list(t2d.shape)}, the draft needs "
+                         f"bool [{v}] (verifier vocab_size); {fix}")
+    problem = mapping_problem(d2t, t2d)
+    if problem:
+        raise VocabError(f"{p}: d2t and t2d disagree (target = draft + d2t[draft] must be "
+                         f"exactly the ids t2d marks, in order): {problem}; {fix}")
+    return d2t, t2d
 
 
 def build(train_jsonl: str | Path, draft_vocab_size: int, vocab_size: int, out_dir: str | Path,

@@ -1,0 +1,150 @@
+"""A draft checkpoint directory (config.json + *.safetensors) against the shape contract: the one
+tensor check `eagle3pipe check --checkpoint` and the export stage (the trained checkpoint before
+it is converted, each export after it is written) share.
+
+Tensor names, shapes and dtypes are compared with arch.contract() of the checkpoint's own
+config (formats.read_config_file: no field defaulted) and, where the config's fields differ from
+a reference architecture (params.yaml, or the config being exported), with the reference's too;
+each wrong shape is explained by the config fields it comes from. This includes what vLLM
+silently accepts: weights wider than head_dim x heads (vLLM's loader narrows them), a missing
+fc.weight (left uninitialised), a d2t that does not map onto t2d (an all-zero d2t loads).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+from eagle3pipe import arch as A
+from eagle3pipe import formats
+from eagle3pipe.errors import Error
+
+CONFIG_FIX = ("state every field explicitly (consumers' defaults differ); a draft this "
+              "pipeline exported: rerun `dvc repro export`")
+
+
+class CheckpointError(Error, ValueError):
+    pass
+
+
+def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor: (dtype, shape)} from a safetensors header, without loading a tensor (only the
+    header is read, whatever the file's size): 8 bytes little-endian header length, then JSON."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 2**20:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
+        meta = json.loads(fh.read(n))
+    return {k: (v["dtype"], tuple(v["shape"])) for k, v in meta.items() if k != "__metadata__"}
+
+
+def checkpoint_tensors(ckpt: str | Path) -> dict[str, tuple[str, tuple[int, ...], Path]]:
+    """{tensor: (dtype, shape, file)} over every *.safetensors file of the directory."""
+    ckpt = Path(ckpt)
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{ckpt}: no *.safetensors files")
+    out = {}
+    for f in files:
+        for name, (dt, shape) in read_header(f).items():
+            out[name] = (dt, shape, f)
+    return out
+
+
+def explain(name: str, arch: A.DraftArch) -> str:
+    """The config fields a contract tensor's shape comes from (see arch.py's table)."""
+    if "q_proj" in name or "o_proj" in name:
+        return (f"head_dim={arch.head_dim} x num_attention_heads={arch.num_attention_heads}"
+                f" = {arch.q_dim}")
+    if "k_proj" in name or "v_proj" in name:
+        return (f"head_dim={arch.head_dim} x num_key_value_heads={arch.num_key_value_heads}"
+                f" = {arch.kv_dim}")
+    if name == "fc.weight":
+        return f"fc input = {A.NUM_AUX} aux layers x target hidden {arch.target_hidden_size}"
+    if name in ("lm_head.weight", "d2t"):
+        return f"draft_vocab_size={arch.draft_vocab_size}, hidden_size={arch.hidden_size}"
+    if name in ("t2d", "embed_tokens.weight"):
+        return f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}"
+    if ".mlp." in name:
+        return f"intermediate_size={arch.intermediate_size}, hidden_size={arch.hidden_size}"
+    return f"hidden_size={arch.hidden_size}"
+
+
+def check_tensors(tensors: dict, arch: A.DraftArch, layout: str, where: str,
+                  needs: str) -> list[str]:
+    """{name: (dtype, shape, ...)} vs arch.contract(arch, layout); `needs` names what holds the
+    architecture (a config file, params.yaml). embed_tokens is optional, as in vLLM."""
+    expected = A.contract(arch, layout, embed_tokens="embed_tokens.weight" in tensors)
+    problems = []
+    for name, spec in expected.items():
+        if name not in tensors:
+            problems.append(f"{where}: tensor {name} missing ({needs} needs {list(spec.shape)} "
+                            f"{spec.dtype}); vLLM would leave it uninitialised without an error")
+            continue
+        dt, shape = tensors[name][0], tensors[name][1]
+        if tuple(shape) != spec.shape:
+            problems.append(f"{where}: tensor {name} has shape {list(shape)} but {needs} needs "
+                            f"{list(spec.shape)} ({explain(name, arch)})")
+        if dt != spec.dtype:
+            problems.append(f"{where}: tensor {name} has dtype {dt}, expected {spec.dtype} "
+                            f"({needs}: dtype {arch.dtype})")
+    for name in sorted(set(tensors) - set(expected)):
+        hint = ""
+        other = "vllm" if layout == "speculators" else "speculators"
+        if A.rename(name, other, layout) in expected:
+            hint = f" (a {other}-layout name in a {layout}-layout checkpoint)"
+        problems.append(f"{where}: unexpected tensor {name}{hint}")
+    return problems
+
+
+def check_vocab_map(ckpt: Path, tensors: dict, arch: A.DraftArch) -> list[str]:
+    """d2t consistent with t2d (eagle3pipe.vocab.mapping_problem)."""
+    from safetensors import safe_open
+
+    if "d2t" not in tensors or "t2d" not in tensors:
+        return []
+    with safe_open(tensors["d2t"][2], "pt") as f:
+        d2t = f.get_tensor("d2t")
+    with safe_open(tensors["t2d"][2], "pt") as f:
+        t2d = f.get_tensor("t2d")
+    if d2t.shape != (arch.draft_vocab_size,) or t2d.shape != (arch.vocab_size,):
+        return []  # shape problems are reported by check_tensors
+    from eagle3pipe.vocab import mapping_problem
+
+    detail = mapping_problem(d2t, t2d)
+    if detail is None:
+        return []
+    return [f"{ckpt}: d2t is not consistent with t2d (target = draft + d2t[draft] must be "
+            f"exactly the ids t2d marks, in order); {detail}"]
+
+
+def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None, *,
+                     against: str = "params.yaml", dtype: str | None = None) -> list[str]:
+    """Every problem of a draft checkpoint dir: its config (every field present), its tensors vs
+    that config's contract, the config's fields vs `reference` (the architecture `against`
+    describes; dtype is not compared: the trained checkpoint is float32) and, where they differ,
+    the tensors vs the reference's contract; d2t vs t2d. `dtype`: the weights' dtype where the
+    config states none (formats.parse_speculators)."""
+    ckpt = Path(ckpt_dir)
+    cfg_path = ckpt / "config.json"
+    try:
+        _, arch, layout = formats.read_config_file(
+            cfg_path, verifier_num_layers=None if reference is None else
+            reference.verifier_num_layers, dtype=dtype, fix=CONFIG_FIX)
+        tensors = checkpoint_tensors(ckpt)
+    except Error as e:
+        return [str(e)]
+    where = f"{ckpt} ({layout} layout)"
+    problems = check_tensors(tensors, arch, layout, where, f"its {cfg_path.name}")
+    if reference is not None:
+        diffs = formats.differences(arch, reference, ignore=("dtype",))
+        problems += [f"{cfg_path}: {f} = {mine!r} but {against} gives {theirs!r}"
+                     for f, mine, theirs in diffs]
+        if diffs:
+            problems += check_tensors(tensors, replace(reference, dtype=arch.dtype), layout,
+                                      where, against)
+    return problems + check_vocab_map(ckpt, tensors, arch)

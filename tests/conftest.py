@@ -34,3 +34,11 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
     dst = tmp_path / "verifier"
     shutil.copytree(micro_verifier, dst)
     return dst
+
+
+def engine_settings(**override) -> dict:
+    """The micro pipeline's vLLM engine settings (tests/micro/params.yaml `vllm:`)."""
+    from eagle3pipe import engine
+    from eagle3pipe import params as P
+
+    return {**engine.settings_of(P.load(ROOT / "tests/micro/params.yaml").vllm), **override}

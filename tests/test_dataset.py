@@ -15,6 +15,8 @@ import pytest
 from eagle3pipe import dataset
 from eagle3pipe.dataset import REASONS, BadInputError, DatasetError
 
+from conftest import engine_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 END = "<|end|>"
 
@@ -36,7 +38,7 @@ def tokenizer(micro_verifier):
 @pytest.fixture(scope="module")
 def stdlib_run(micro_verifier, tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "dataset"
-    metrics = dataset.build(cfg(), micro_verifier, out, progress=False)
+    metrics = dataset.build(cfg(), engine_settings(), micro_verifier, out, progress=False)
     return out, metrics
 
 
@@ -92,7 +94,7 @@ def test_stdlib_prompts_masks_cover_exactly_the_reply(stdlib_run, tokenizer):
 def test_rerun_is_byte_identical(stdlib_run, micro_verifier, tmp_path):
     out, _ = stdlib_run
     again = tmp_path / "dataset"
-    dataset.build(cfg(), micro_verifier, again, progress=False)
+    dataset.build(cfg(), engine_settings(), micro_verifier, again, progress=False)
     for name in ("train.jsonl", "eval.jsonl"):
         assert (again / name).read_bytes() == (out / name).read_bytes()
 
@@ -113,7 +115,8 @@ def test_reply_closed_by_the_verifier_keeps_a_single_end(stdlib_run, micro_verif
     lm[[end, chosen]] = lm[[chosen, end]]
     w["lm_head.weight"] = lm.contiguous()
     save_file(w, str(f), metadata={"format": "pt"})
-    metrics = dataset.build(cfg(), micro_verifier_copy, tmp_path / "d", progress=False)
+    metrics = dataset.build(cfg(), engine_settings(), micro_verifier_copy, tmp_path / "d",
+                            progress=False)
     assert metrics["responses_closed"] >= 1
     samples = {s["id"]: s for s in samples_of(tmp_path / "d")}
     s0 = samples["stdlib-000000"]
@@ -175,7 +178,8 @@ def test_bad_lines_skipped_counted_and_reported(micro_verifier, tokenizer, tmp_p
              json.dumps(GOOD)]  # the last line is beyond num_samples: never read
     f = write(tmp_path / "in.jsonl", lines)
     out = tmp_path / "dataset"
-    metrics = dataset.build(cfg(source=str(f), num_samples=10, eval_fraction=0.0), micro_verifier,
+    metrics = dataset.build(cfg(source=str(f), num_samples=10, eval_fraction=0.0),
+                            engine_settings(), micro_verifier,
                             out, progress=False)
     assert metrics["read"] == 10
     assert metrics["skipped_by_reason"] == {r: 1 for r in sorted(REASONS)}
@@ -198,7 +202,8 @@ def test_bad_lines_skipped_counted_and_reported(micro_verifier, tokenizer, tmp_p
 def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
     f = write(tmp_path / "bad.jsonl", list(bad_lines(tokenizer).values()))
     with pytest.raises(DatasetError, match="no usable conversation among 7 read"):
-        dataset.build(cfg(source=str(f), num_samples=10), micro_verifier, tmp_path / "out",
+        dataset.build(cfg(source=str(f), num_samples=10), engine_settings(), micro_verifier,
+                      tmp_path / "out",
                       progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -206,11 +211,12 @@ def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
 def test_settings_that_cannot_fit_are_refused(micro_verifier, tmp_path):
     with pytest.raises(DatasetError, match="dataset.max_seq_len"):
         dataset.build(cfg(max_prompt_tokens=60, max_new_tokens=40, max_seq_len=96),
-                      micro_verifier, tmp_path / "o", progress=False)
+                      engine_settings(), micro_verifier, tmp_path / "o", progress=False)
     with pytest.raises(DatasetError, match="max_position_embeddings"):
-        dataset.build(cfg(max_seq_len=4096), micro_verifier, tmp_path / "o", progress=False)
+        dataset.build(cfg(max_seq_len=4096), engine_settings(), micro_verifier, tmp_path / "o",
+                      progress=False)
     with pytest.raises(DatasetError, match="not found"):
-        dataset.build(cfg(source=str(tmp_path / "missing.jsonl")), micro_verifier,
+        dataset.build(cfg(source=str(tmp_path / "missing.jsonl")), engine_settings(), micro_verifier,
                       tmp_path / "o", progress=False)
 
 
@@ -292,7 +298,8 @@ def test_dataset_and_vocab_stage_scripts(micro_verifier, tmp_path):
         rec = json.loads(line)
         reads.setdefault(rec["stage"], set()).update(rec["keys"])
     assert reads["vocab"] == {"draft.draft_vocab_size"}
-    assert reads["dataset"] and all(k.startswith("dataset.") for k in reads["dataset"])
+    assert reads["dataset"] and all(k.startswith(("dataset.", "vllm.")) for k in reads["dataset"])
+    assert "vllm.tensor_parallel_size" in reads["dataset"]
     # a bad params value fails cleanly, naming the file
     params.write_text(edit_params(params.read_text(), max_seq_len=16))
     r = subprocess.run([sys.executable, str(ROOT / "stages/dataset.py"), *common,

@@ -14,9 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe import extract
-from eagle3pipe import samples
+import types
+
+from eagle3pipe import capture, samples
+from eagle3pipe.verifier import Verifier
 from eagle3pipe.extract import ExtractError
 from eagle3pipe.samples import SamplesError
+
+from conftest import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]
@@ -68,17 +73,22 @@ def _files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def section(**override):
+    return types.SimpleNamespace(**{**dict(dtype="bfloat16", batch_size=2, threads=2,
+                                           oracle_samples=2, oracle_tolerance=0.01), **override})
+
+
 @pytest.fixture(scope="module")
 def model(micro_verifier):
-    return extract.load_verifier(micro_verifier)
+    return capture.tf_load(Verifier(micro_verifier))
 
 
 @pytest.fixture(scope="module")
 def extracted(micro_verifier, tmp_path_factory):
     root = tmp_path_factory.mktemp("extract")
     ds, cap = _write_inputs(root, micro_verifier)
-    metrics = extract.extract(micro_verifier, ds, cap, root / "hidden", root / "metrics.json",
-                          dtype="bfloat16", batch_size=2, threads=2, progress=False)
+    metrics = extract.extract(micro_verifier, ds, cap, root / "hidden", settings=engine_settings(),
+                              e=section(), progress=False)
     return root, ds, cap, metrics
 
 
@@ -88,7 +98,7 @@ def extracted(micro_verifier, tmp_path_factory):
 
 def test_capture_matches_layer_input_hooks_and_pre_norm_final(model, micro_verifier):
     ids = torch.tensor([_rows(micro_verifier, CONVERSATIONS[1:2])[0]["input_ids"]])
-    got = extract.capture(model, ids, torch.ones_like(ids), AUX)
+    got = capture.tf_capture(model, ids, torch.ones_like(ids), AUX)
     assert got.shape == (1, ids.shape[1], 4, H) and got.dtype == torch.float32
 
     # Independent witnesses: a pre-hook on EVERY decoder layer (its input) and on the final norm.
@@ -134,7 +144,7 @@ def test_capture_matches_vllm_style_residual_loop(model):
             aux[idx] = h
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
         aux[LAYERS] = h  # vLLM's id L: the last layer's output, before `self.norm`
-    got = extract.capture(model, ids, None, [0, 2, LAYERS])
+    got = capture.tf_capture(model, ids, None, [0, 2, LAYERS])
     torch.testing.assert_close(got[0, :, 0], aux[0][0], rtol=0, atol=1e-5)  # id 0 = embeddings
     torch.testing.assert_close(got[0, :, 1], aux[2][0], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[0, :, 2], aux[LAYERS][0], rtol=0, atol=1e-5)
@@ -159,13 +169,13 @@ def test_vllm_source_defines_aux_as_residual_entering_layer():
 def test_padding_invariance(model):
     short = torch.tensor([[9, 8, 7, 6, 5]])
     long = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
-    alone_s = extract.capture(model, short, torch.ones_like(short), AUX)
-    alone_l = extract.capture(model, long, torch.ones_like(long), AUX)
+    alone_s = capture.tf_capture(model, short, torch.ones_like(short), AUX)
+    alone_l = capture.tf_capture(model, long, torch.ones_like(long), AUX)
     batch = torch.zeros(2, 13, dtype=torch.long)
     mask = torch.zeros(2, 13, dtype=torch.long)
     batch[0], mask[0] = long[0], 1
     batch[1, :5], mask[1, :5] = short[0], 1
-    both = extract.capture(model, batch, mask, AUX)
+    both = capture.tf_capture(model, batch, mask, AUX)
     torch.testing.assert_close(both[1, :5], alone_s[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[0], alone_l[0], rtol=1e-5, atol=1e-5)
 
@@ -191,7 +201,7 @@ def test_speculators_arrow_dataset_reads_output(extracted, model):
         assert item["verifier_last_hidden_states"].shape == (T, H)
         assert item["hidden_states"].dtype == torch.bfloat16
         ids = torch.tensor([rows[i]["input_ids"]])
-        ref = extract.capture(model, ids, torch.ones_like(ids), AUX)[0].to(torch.bfloat16)
+        ref = capture.tf_capture(model, ids, torch.ones_like(ids), AUX)[0].to(torch.bfloat16)
         torch.testing.assert_close(item["hidden_states"], ref[:, :3].flatten(1),
                                    rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(item["verifier_last_hidden_states"], ref[:, 3],
@@ -206,15 +216,18 @@ def test_speculators_arrow_dataset_reads_output(extracted, model):
     assert metrics["min_bytes_per_token"] == 4 * H * 2
     assert metrics["min_bytes_per_token"] < metrics["bytes_per_token"]
     assert metrics["tokens_per_second"] > 0
-    assert json.loads((root / "metrics.json").read_text())["tokens"] == metrics["tokens"]
+    # captured by vLLM, spot-checked by the transformers oracle (float32 engine: ~1e-7)
+    assert metrics["engine"] == "vllm" and metrics["tensor_parallel_size"] == 1
+    assert metrics["oracle"]["samples"] == 2
+    assert max(metrics["oracle"]["max_rel_error"].values()) < 1e-3, metrics["oracle"]
     manifest = json.loads((root / "hidden" / "manifest.json").read_text())
     assert manifest["aux_layer_ids"] == AUX and manifest["final"] == "pre_norm"
 
 
 def test_byte_identical_on_rerun(extracted, micro_verifier, tmp_path):
     root, ds, cap, _ = extracted
-    extract.extract(micro_verifier, ds, cap, tmp_path / "again", None, dtype="bfloat16",
-                batch_size=2, threads=2, progress=False)
+    extract.extract(micro_verifier, ds, cap, tmp_path / "again", settings=engine_settings(), e=section(),
+                        progress=False)
     first, second = _files(root / "hidden"), _files(tmp_path / "again")
     assert sorted(first) == sorted(second)
     assert "train/state.json" in first and "eval/hidden_states/hs_1.safetensors" in first
@@ -255,8 +268,8 @@ def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_
     cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 4,
                                "hidden_size": 256, "final": "pre_norm"}))
     with pytest.raises(ExtractError) as e:
-        extract.extract(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
-                    batch_size=2, threads=2, progress=False)
+        extract.extract(micro_verifier, ds, cap, tmp_path / "out", settings=engine_settings(), e=section(),
+                        progress=False)
     assert "hidden_size=256" in str(e.value) and "hidden_size=64" in str(e.value)
     assert "dvc repro configs" in str(e.value) and str(cap) in str(e.value)
     cap.write_text(json.dumps({"aux_layer_ids": [1, 2, 7], "verifier_num_layers": 4,
@@ -266,8 +279,8 @@ def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_
     cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 6,
                                "hidden_size": 64, "final": "pre_norm"}))
     with pytest.raises(ExtractError, match="num_hidden_layers=4"):
-        extract.extract(micro_verifier, ds, cap, tmp_path / "out", None, dtype="bfloat16",
-                    batch_size=2, threads=2, progress=False)
+        extract.extract(micro_verifier, ds, cap, tmp_path / "out", settings=engine_settings(), e=section(),
+                        progress=False)
     assert not (tmp_path / "out").exists()
     lines = (ds / "eval.jsonl").read_text().splitlines()
     row = json.loads(lines[1])

@@ -73,6 +73,25 @@ CASES = [
           "smoke.min_acceptance_length", ">="),
     _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",
           "smoke.ngram_prompt_lookup_min", "larger"),
+    _case("  rms_norm_eps: 1.0e-06", "  rms_norm_eps: .nan", "draft.rms_norm_eps", "finite"),
+    _case("  rope_theta: 10000.0", "  rope_theta: .inf", "draft.rope_theta",
+          "finite"),
+    _case("  rope_scaling: null", "  rope_scaling: {type: yarn}", "draft.rope_scaling",
+          "needs factor, original_max_position_embeddings"),
+    _case("  rope_scaling: null", "  rope_scaling: {rope_type: linear, factor: .inf}",
+          "draft.rope_scaling", "finite"),
+    _case("  rope_scaling: null", "  rope_scaling: {rope_type: ntk}", "draft.rope_scaling",
+          "not one of"),
+    _case("  min_acceptance_length:", "  min_acceptance_length: 5.0",
+          "smoke.min_acceptance_length", r"never be reached.*k \+ 1 = 4"),
+    _case("  tensor_parallel_size: 1", "  tensor_parallel_size: 3", "vllm.tensor_parallel_size",
+          "does not divide draft.num_attention_heads"),
+    _case("  max_model_len: 1024", "  max_model_len: 256", "vllm.max_model_len",
+          "shorter than dataset.max_seq_len"),
+    _case("  gpu_memory_utilization: 0.9", "  gpu_memory_utilization: 1.5",
+          "vllm.gpu_memory_utilization", r"\(0, 1\]"),
+    _case("  dtype: float32", "  dtype: auto", "vllm.dtype", "not one of"),
+    _case("  nproc_per_node: 1", "  nproc_per_node: 0", "train.nproc_per_node", ">="),
     _case("    threads: 2", "    threads: 0", "verifier.embedded.threads", ">="),
     _case("    seed: 0", "    seed: -1", "verifier.embedded.seed", ">="),
 ]
@@ -158,6 +177,7 @@ def test_empty_file(tmp_path, verifier_json):
 def test_section_not_mapping(tmp_path, verifier_json):
     text, line = replace_line(DEFAULT, "extract:", "extract: fast")
     text = text.replace("  dtype: bfloat16\n  batch_size: 8\n  threads: 2\n", "", 1)
+    text = "\n".join(t for t in text.split("\n") if not t.startswith("  oracle_"))
     rc, err, out = run_render(tmp_path, text)
     assert rc == 2 and f"params.yaml:{line}: extract: expected a mapping" in err, err
 

@@ -122,6 +122,22 @@ def test_change_reruns_exactly_the_table_row_and_revert_restores(micro, key, val
     assert {p: digest(repo / p) for p in outputs} == before, f"revert of {key} changed outputs"
 
 
+def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(micro):
+    """vllm.gpu_memory_utilization is in the table's engine row (every stage that starts vLLM
+    declares the vllm: section), but it cannot change a number: the three engine stages rerun
+    and write the same bytes, so nothing behind them runs."""
+    repo, _ = micro
+    before, old = out_hashes(repo), get_param(repo, "vllm.gpu_memory_utilization")
+    set_param(repo, "vllm.gpu_memory_utilization", old / 2)
+    try:
+        assert repro(repo) == {"dataset", "extract", "smoke"}
+        assert out_hashes(repo) == before
+    finally:
+        set_param(repo, "vllm.gpu_memory_utilization", old)
+        repro(repo)
+        sh(repo, "git", "checkout", "--", ".")
+
+
 def test_two_cold_clones_give_identical_lock_hashes(cold_pair):
     repo, _, other, bg = cold_pair
     assert finish_repro(other, bg) == set(STAGES)

@@ -7,6 +7,7 @@ process-wide, which must not leak into other tests.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from ruamel.yaml import YAML
 import drafts
 from eagle3pipe import smoke
 from eagle3pipe.errors import EXIT_CODE
+
+from conftest import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 K = drafts.MICRO_DRAFT["num_speculative_tokens"]
@@ -89,7 +92,8 @@ def test_draft_helper_writes_what_the_contract_check_accepts(micro_verifier, tmp
 def _check(verifier, draft_dir):
     from eagle3pipe import vllm_load
 
-    return vllm_load.check_draft(verifier, draft_dir, num_speculative_tokens=K)
+    return vllm_load.check_draft(engine_settings(), verifier, draft_dir,
+                                 num_speculative_tokens=K)
 
 
 @pytest.mark.parametrize("draft_vocab", [256, 96], ids=["vocab256", "vocab96-padded-by-vllm"])
@@ -175,13 +179,13 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
     arch = drafts.micro_arch(micro_verifier)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
                         omit=("fc.weight",))
-    s = types.SimpleNamespace(num_prompts=2, max_tokens=8, kv_cache_gib=1,
+    s = types.SimpleNamespace(num_prompts=2, max_tokens=8,
                               min_acceptance_length=1.0, min_gain_over_ngram=0.0,
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
                               threads=2)
     with pytest.raises(smoke.SmokeError) as e:
-        smoke.measure(s, export_dir=tmp_path / "export", verifier_dir=micro_verifier,
-                      plots_path=tmp_path / "p.json")
+        smoke.measure(s, engine_settings(), export_dir=tmp_path / "export",
+                      verifier_dir=micro_verifier, plots_path=tmp_path / "p.json")
     msg = str(e.value)
     assert "engine-less vLLM load check failed" in msg
     assert "export/vllm" in msg and "export/speculators" in msg and "fc.weight missing" in msg
@@ -195,11 +199,11 @@ ENGINE_PROBE = """
 import gc, json, os, sys
 import torch
 from eagle3pipe import engine
+from conftest import engine_settings
 
 torch.set_num_threads(3)
 original = torch.set_num_threads
-with engine.engine(sys.argv[1], dtype="float32", seed=0, max_model_len=64, kv_cache_gib=1,
-                      threads=2) as llm:
+with engine.engine(engine_settings(), sys.argv[1], threads=2) as llm:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -221,8 +225,9 @@ def test_engine_helper_restores_what_vllm_changes(micro_verifier, tmp_path):
     """vllm_load.engine: the dtype it is given, an in-process engine in a frozen heap, and on
     exit torch's thread count and a working torch.set_num_threads (vLLM's CPU worker makes it a
     no-op), an unfrozen heap and the engine released."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     r = subprocess.run([sys.executable, "-c", ENGINE_PROBE, str(micro_verifier)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     # float32 as given: vLLM's "auto" would have downcast the float32 checkpoint
@@ -240,8 +245,7 @@ def test_engine_helper_restores_what_vllm_changes(micro_verifier, tmp_path):
 def _params(tmp_path: Path, **smoke_overrides) -> Path:
     yaml = YAML(typ="rt")
     doc = yaml.load((ROOT / "params.yaml").read_text())
-    for k, v in dict(num_prompts=2, max_tokens=MAX_TOKENS, kv_cache_gib=1,
-                     **smoke_overrides).items():
+    for k, v in dict(num_prompts=2, max_tokens=MAX_TOKENS, **smoke_overrides).items():
         doc["smoke"][k] = v
     out = tmp_path / "params.yaml"
     with out.open("w") as fh:

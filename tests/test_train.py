@@ -29,7 +29,7 @@ MICRO_DRAFT = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    norm_before_residual=True, rope_theta=10000.0, rope_scaling=None,
                    rms_norm_eps=1e-6, max_position_embeddings=1024, hidden_act="silu",
                    dtype="bfloat16", num_speculative_tokens=3)
-MICRO_TRAIN = dict(seed=0, threads=2, device="cpu", epochs=2, batch_tokens=512,
+MICRO_TRAIN = dict(seed=0, threads=2, device="cpu", nproc_per_node=1, epochs=2, batch_tokens=512,
                    learning_rate=3e-3, weight_decay=0.0, warmup_steps=2, ttt_steps=3,
                    eval_every=4)
 
@@ -233,12 +233,7 @@ def test_trainer_parts_are_what_fit_runs(inputs, trained):
     assert s.core.training  # evaluate restores the mode it found
 
 
-def test_multi_process_needs_cuda_or_the_test_switch(monkeypatch):
-    monkeypatch.delenv(distributed.CPU_DDP_TEST_ENV, raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(distributed.DistributedError,
-                       match="multi-process training is for GPUs; set train.device: cuda"):
-        distributed.setup_distributed("cpu")
+def test_single_process_distributed_plumbing(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     d = distributed.setup_distributed("cpu")
     assert d == distributed.Dist() and d.main and d.device.type == "cpu"
@@ -354,23 +349,30 @@ def test_stage_script_runs_from_params(inputs, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_ddp_path(inputs, tmp_path):
-    """The multi-GPU path (torchrun, DDP, sharded packs, all-reduced eval, rank-0 writes) run on
-    CPU over gloo with the test switch EAGLE3PIPE_CPU_DDP_TEST=1 (real runs require CUDA)."""
+    """The multi-process path (torchrun, DDP, sharded packs, all-reduced eval, rank-0 writes) on
+    CPU over gloo, as `dvc repro` launches it with train.nproc_per_node: 2; a rerun gives the
+    same weights, and a launch that disagrees with train.nproc_per_node is refused."""
     import os
 
     params = (ROOT / "params.yaml").read_text()
     params = params.replace("epochs: 6", "epochs: 1").replace(
         "batch_tokens: 2048", "batch_tokens: 256").replace("threads: 2\n  device",
-                                                            "threads: 1\n  device")
+                                                            "threads: 1\n  device").replace(
+        "nproc_per_node: 1", "nproc_per_node: 2")
     (tmp_path / "params.yaml").write_text(params)
     args = ["--params", "params.yaml", "--draft-config", str(inputs.draft_config),
             "--verifier", str(inputs.verifier), "--hidden", str(inputs.hidden), "--vocab",
             str(inputs.vocab), "--out", "artifacts/train", "--dvc-yaml", str(ROOT / "dvc.yaml"),
             "--no-progress"]
-    env = {**os.environ, "EAGLE3PIPE_CPU_DDP_TEST": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", "29517", str(ROOT / "stages" / "train.py"), *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(n: int):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", str(n), str(ROOT / "stages" / "train.py"),
+                               *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600, env=env)
+
+    r = torchrun(2)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "device cpu x 2" in r.stderr
     ckpt = load_file(str(tmp_path / "artifacts" / "train" / "model.safetensors"))
@@ -379,9 +381,9 @@ def test_torchrun_ddp_path(inputs, tmp_path):
     m = json.loads((tmp_path / "metrics" / "train" / "metrics.json").read_text())
     first = _tsv(tmp_path / "metrics" / "train" / "plots" / "metrics" / "eval" / "loss.tsv")[0][1]
     assert m["eval"]["loss"] < first
-    # without the test switch, torchrun on CPU is refused
-    env.pop("EAGLE3PIPE_CPU_DDP_TEST")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", "29518", str(ROOT / "stages" / "train.py"), *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode != 0 and "multi-process training is for GPUs" in r.stderr
+    first_weights = (tmp_path / "artifacts" / "train" / "model.safetensors").read_bytes()
+    r = torchrun(2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (tmp_path / "artifacts" / "train" / "model.safetensors").read_bytes() == first_weights
+    r = torchrun(1)  # one process while params say two
+    assert r.returncode != 0 and "train.nproc_per_node is 2" in r.stderr, r.stderr[-2000:]

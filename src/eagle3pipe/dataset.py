@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from eagle3pipe import corpus
 from eagle3pipe.errors import Error
+from eagle3pipe.engine import numeric
 from eagle3pipe.runtime import atomic_dir
 from eagle3pipe.samples import write_jsonl
 from eagle3pipe.verifier import Verifier
@@ -265,21 +266,19 @@ def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = Tru
 # Generation
 
 
-def generate(v: Verifier, prompts: list[Prompt], cfg: Any, *, progress: bool = True
-             ) -> tuple[list[list[int]], list[str], dict]:
+def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, *,
+             progress: bool = True) -> tuple[list[list[int]], list[str], dict]:
     """Greedy replies of the verifier (vLLM) to each prompt: (token ids, finish reasons, timing).
     Token ids are exactly what the verifier produced, ending with its stop token if it stopped."""
     from eagle3pipe import engine
 
     t0 = time.perf_counter()
-    engine.environment(None)  # before vLLM's import
+    engine.environment(settings)  # before vLLM's import
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     t1 = time.perf_counter()
-    with engine.engine(v.model_dir, tokenizer=v.dir, dtype=v.dtype, seed=cfg.seed,
-                       max_model_len=cfg.max_seq_len, kv_cache_gib=None, threads=None,
-                       enforce_eager=None) as llm:
+    with engine.engine(settings, v.model_dir, tokenizer=v.dir) as llm:
         t2 = time.perf_counter()
         sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p.prompt_ids) for p in prompts],
@@ -344,9 +343,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(x) for x in fh if x.strip()]
 
 
-def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
+def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Path, *,
           progress: bool = True, where: Callable[[str], str] = lambda key: "params.yaml") -> dict:
-    """The dataset stage. `cfg` is the params' `dataset` section. Writes out_dir/{train,eval}.jsonl
+    """The dataset stage. `cfg` is the params' `dataset` section, `settings` the engine's
+    (eagle3pipe.engine.settings_of(params.vllm)). Writes out_dir/{train,eval}.jsonl
     atomically and returns the metrics (counts add up: read = kept + sum(skipped_by_reason))."""
     v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
     tokenizer = v.tokenizer()
@@ -363,7 +363,7 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
                            "above) or point dataset.source at another file")
     log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
-    replies, finish, timing = generate(v, prompts, cfg, progress=progress)
+    replies, finish, timing = generate(v, prompts, cfg, settings, progress=progress)
     closer = closing_token_id(tokenizer)
     samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, replies)]
     for s in samples:  # guaranteed by check_settings; a broken guarantee must not pass silently
@@ -389,6 +389,7 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
         "responses_closed": sum(r == "stop" for r in finish),
         "responses_cut_at_max_new_tokens": sum(r == "length" for r in finish),
         "new_tokens": timing["new_tokens"],
+        "engine": numeric(settings),
     }  # timings go to the log only: committed metrics must be byte-identical on rerun
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
     log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
@@ -402,5 +403,7 @@ def build(cfg: Any, verifier_dir: str | Path, out_dir: str | Path, *,
 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): paths.verifier -> paths.out; returns the metrics."""
-    return build(params.dataset, paths.verifier, paths.out, progress=paths.progress,
-                 where=params.where)
+    from eagle3pipe.engine import settings_of
+
+    return build(params.dataset, settings_of(params.vllm), paths.verifier, paths.out,
+                 progress=paths.progress, where=params.where)

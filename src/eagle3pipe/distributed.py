@@ -8,9 +8,9 @@ environment, `maybe_destroy_distributed`) and the DDP branch of speculators' Tra
 sequence parallelism or the torch.accelerator abstraction; CPU runs never touch
 torch.distributed.
 
-Several GPUs: launch the stage script under torchrun (WORLD_SIZE > 1), device cuda only (NCCL).
-The one exception is the test suite: EAGLE3PIPE_CPU_DDP_TEST=1 runs the same path on CPU over
-gloo, so the sharding / all-reduce / rank-0 code is exercised without a GPU.
+Several processes: dvc.yaml's train cmd launches the stage script under torchrun with
+`train.nproc_per_node` processes (WORLD_SIZE > 1): NCCL on CUDA (one GPU per process), gloo on
+CPU (train.threads torch threads per process).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from eagle3pipe.errors import Error
 
 PAD_MULTIPLE = 128                # CUDA: packs trimmed to a multiple of this (flex blocks)
 CPU_CHUNK_TOKENS = 512            # CPU: tokens per forward (see backend_for)
-CPU_DDP_TEST_ENV = "EAGLE3PIPE_CPU_DDP_TEST"
 
 
 class DistributedError(Error, ValueError):
@@ -45,26 +44,21 @@ class Dist:
 
 
 def setup_distributed(device: str) -> Dist:
-    """Single process unless WORLD_SIZE > 1 (torchrun); multi-process requires CUDA (NCCL),
-    initialised from the torchrun environment (env://: MASTER_ADDR, RANK, WORLD_SIZE) as
-    speculators' `maybe_setup_distributed` does. EAGLE3PIPE_CPU_DDP_TEST=1 allows CPU over gloo."""
+    """Single process unless WORLD_SIZE > 1 (torchrun); then the process group is initialised
+    from the torchrun environment (env://: MASTER_ADDR, RANK, WORLD_SIZE), as speculators'
+    `maybe_setup_distributed` does: NCCL on CUDA, gloo on CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "cuda" and not torch.cuda.is_available():
         raise DistributedError("train.device is cuda but torch sees no CUDA device; "
                                "set train.device: cpu in params.yaml or run on a GPU machine")
     if world <= 1:
         return Dist(device=torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
-    cpu_test = device == "cpu" and os.environ.get(CPU_DDP_TEST_ENV) == "1"
-    if device != "cuda" and not cpu_test:
-        raise DistributedError(f"WORLD_SIZE={world} (torchrun) with train.device=cpu: "
-                               "multi-process training is for GPUs; set train.device: cuda or "
-                               "run without torchrun")
     import torch.distributed as dist
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if cpu_test:
+    if device == "cpu":
         dist.init_process_group(backend="gloo")
         return Dist(rank=dist.get_rank(), world=dist.get_world_size())
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group(backend="nccl")
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(),

@@ -1,10 +1,11 @@
 """The one place vLLM engines are configured, started and torn down.
 
-Every stage that runs the verifier in vLLM (dataset regeneration, smoke; the engine-less load
-check in vllm_load builds its config from the same `engine_kwargs`) goes through `engine(...)`:
-the environment set before vLLM is imported, the engine arguments, torch's thread count
-restored afterwards, the import heap kept out of vLLM's garbage-collector walks, and the
-distributed state torn down between engines.
+Every stage that runs the verifier in vLLM (dataset regeneration, extraction, smoke; the
+engine-less load check in vllm_load builds its config from the same `engine_kwargs`) goes
+through `engine(settings, ...)`, with `settings` the params' `vllm:` section (settings_of): the
+same dtype and parallelism everywhere, the environment set before vLLM is imported, torch's
+thread count restored afterwards, the import heap kept out of vLLM's garbage-collector walks,
+and the distributed state torn down between engines.
 """
 from __future__ import annotations
 
@@ -14,73 +15,108 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from eagle3pipe.errors import Error
 
-def environment(kv_cache_gib: float | None) -> None:
-    """Must run before vLLM is imported: one in-process engine (a load failure surfaces as the
-    real exception, not a dead worker), a bounded KV cache, no hub access, quiet tokenizers.
-    kv_cache_gib None leaves the size to vLLM (on GPU its gpu_memory_utilization; the CPU
-    backend gets 1 GiB unless VLLM_CPU_KVCACHE_SPACE is set)."""
+
+# params.yaml `vllm:` keys passed to vLLM's LLM/EngineArgs under the same names
+ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+               "enable_expert_parallel", "gpu_memory_utilization", "max_model_len", "dtype",
+               "trust_remote_code", "enforce_eager", "kv_cache_memory_bytes", "seed")
+# ... and the one that is an environment variable of vLLM's CPU backend
+ENV = {"cpu_omp_threads_bind": "VLLM_CPU_OMP_THREADS_BIND"}
+# the settings that can change what an engine computes (metrics record these; memory bounds
+# such as gpu_memory_utilization or kv_cache_memory_bytes cannot change a greedy output)
+NUMERIC = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+           "enable_expert_parallel", "dtype", "enforce_eager", "seed")
+
+
+class EngineError(Error, RuntimeError):
+    pass
+
+
+def settings_of(section: Any) -> dict[str, Any]:
+    """The `vllm:` params section (a stage's view of it, or any object with its keys) as the
+    one dict every engine of a run is started from."""
+    return {k: getattr(section, k) for k in (*ENGINE_ARGS, *ENV)}
+
+
+def numeric(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a stage records beside its numbers."""
+    return {k: settings[k] for k in NUMERIC}
+
+
+def environment(settings: dict[str, Any]) -> None:
+    """Must run before vLLM is imported: the engine core in this process (a load failure
+    surfaces as the real exception; tensor-parallel workers are still processes of their own),
+    the CPU backend's thread binding, no hub access, quiet tokenizers. The KV cache is bounded
+    by the kv_cache_memory_bytes engine argument, on CPU and GPU alike."""
+    ranks = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
+    if ranks > 1 and settings["cpu_omp_threads_bind"] == "auto" and not _cuda():
+        raise EngineError(
+            f"vllm.tensor_parallel_size x pipeline_parallel_size = {ranks} on a CPU build with "
+            "vllm.cpu_omp_threads_bind: auto; vLLM's CPU backend then refuses to start (\"Not "
+            "enough allowed NUMA nodes\")", fix="give each rank its cores, e.g. "
+            "cpu_omp_threads_bind: \"0|1\" for 2 ranks on 2 cores (\"0-7|8-15\" on 16)")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if kv_cache_gib is None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    elif float(kv_cache_gib).is_integer():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))  # CPU backend, in GiB
-    else:  # the env var takes whole GiB; kv_cache_memory_bytes (engine arg) takes the rest
+    for key, var in ENV.items():
+        os.environ[var] = str(settings[key])
+    if settings["kv_cache_memory_bytes"] is not None:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def engine_kwargs(model_dir: str | Path, *, speculative_config: dict | None,
-                  kv_cache_gib: float | None, seed: int, max_model_len: int | None,
-                  dtype: str = "auto", tokenizer: str | Path | None = None,
-                  enforce_eager: bool | None = True, stats: bool = True) -> dict[str, Any]:
-    """vLLM's engine arguments, for `LLM(...)` (engine) and `EngineArgs` (the engine-less
-    check, whose defaults are the smoke engines' settings). kv_cache_memory_bytes bounds the KV
-    cache on CPU and GPU alike; enforce_eager None: eager on CPU only (CUDA graphs elsewhere);
-    stats: vLLM's counters (`llm.get_metrics()`) on."""
-    if enforce_eager is None:
-        from vllm.platforms import current_platform
+def _cuda() -> bool:
+    import torch
 
-        enforce_eager = current_platform.is_cpu()
-    kw: dict[str, Any] = dict(model=str(model_dir), speculative_config=speculative_config,
-                              seed=seed, dtype=dtype, enforce_eager=enforce_eager,
-                              disable_log_stats=not stats)
-    if tokenizer is not None:
-        kw["tokenizer"] = str(tokenizer)
-    if kv_cache_gib is not None:
-        kw["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-    if max_model_len is not None:
-        kw["max_model_len"] = int(max_model_len)
+    return torch.cuda.is_available()
+
+
+def engine_kwargs(settings: dict[str, Any], model_dir: str | Path, *,
+                  tokenizer: str | Path | None = None, speculative_config: dict | None = None,
+                  kv_transfer_config: dict | None = None, stats: bool = False,
+                  **override: Any) -> dict[str, Any]:
+    """vLLM's engine arguments, for `LLM(...)` and `EngineArgs` (the engine-less load check):
+    the run's settings, the model, and what this engine adds (speculation, a KV connector,
+    vLLM's counters with stats). `override` replaces settings for one engine (the load check
+    instantiates a single rank)."""
+    kw: dict[str, Any] = {k: settings[k] for k in ENGINE_ARGS}
+    kw.update(override)
+    if kw["kv_cache_memory_bytes"] is None:
+        del kw["kv_cache_memory_bytes"]
+    kw.update(model=str(model_dir), tokenizer=str(tokenizer or model_dir),
+              speculative_config=speculative_config, disable_log_stats=not stats)
+    if kv_transfer_config is not None:
+        kw["kv_transfer_config"] = kv_transfer_config
     return kw
 
 
 @contextlib.contextmanager
-def engine(model_dir: str | Path, *, tokenizer: str | Path | None = None, dtype: str, seed: int,
-           max_model_len: int, kv_cache_gib: float | None, threads: int | None,
-           speculative_config: dict | None = None, enforce_eager: bool | None = True,
-           stats: bool = False) -> Iterator[Any]:
-    """One in-process vLLM engine: yields the `LLM`; on exit shuts it down and frees it.
+def engine(settings: dict[str, Any], model_dir: str | Path, *,
+           tokenizer: str | Path | None = None, speculative_config: dict | None = None,
+           kv_transfer_config: dict | None = None, stats: bool = False,
+           threads: int | None = None) -> Iterator[Any]:
+    """One vLLM engine with the run's settings: yields the `LLM`; on exit shuts it down and
+    frees it.
 
-    Sets the environment (environment(kv_cache_gib)) before importing vLLM, and torch's thread
-    count to `threads` (None: as it is). vLLM's workers change that count and its CPU worker
-    replaces torch.set_num_threads with a no-op for the rest of the process, so both are
-    restored on exit. Runs inside frozen_heap(). The LLM is unusable after the block: its engine
-    is dropped there, so that a reference the caller still holds keeps no weights or KV cache
-    alive into the next engine's memory check."""
+    Sets the environment before importing vLLM, and torch's thread count to `threads` (None: as
+    it is). vLLM's workers change that count and its CPU worker replaces torch.set_num_threads
+    with a no-op for the rest of the process, so both are restored on exit. Runs inside
+    frozen_heap(). The LLM is unusable after the block: its engine is dropped there, so that a
+    reference the caller still holds keeps no weights or KV cache alive into the next engine's
+    memory check."""
     import torch
 
-    environment(kv_cache_gib)
+    environment(settings)
     if threads is not None:
         torch.set_num_threads(threads)
     set_threads, count = torch.set_num_threads, torch.get_num_threads()
     try:
         from vllm import LLM
 
-        kw = engine_kwargs(model_dir, speculative_config=speculative_config,
-                           kv_cache_gib=kv_cache_gib, seed=seed, max_model_len=max_model_len,
-                           dtype=dtype, tokenizer=tokenizer, enforce_eager=enforce_eager,
-                           stats=stats)
+        kw = engine_kwargs(settings, model_dir, tokenizer=tokenizer, stats=stats,
+                           speculative_config=speculative_config,
+                           kv_transfer_config=kv_transfer_config)
         with frozen_heap():
             llm = None
             try:

@@ -33,7 +33,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -120,66 +120,6 @@ def check_capture_matches(spec: CaptureSpec, info: VerifierInfo, path: str | os.
         raise ExtractError(f"{path}: does not match the verifier: " + "; ".join(problems)
                            + ". The capture config is stale: regenerate it with `dvc repro "
                            "configs` (or point --capture/--verifier at matching files)")
-
-
-def load_verifier(model_path: str | os.PathLike):
-    """The verifier in float32 (extraction computes in fp32 and casts at the end), eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    model_path = Path(model_path)
-    if not (model_path / "config.json").is_file():
-        raise ExtractError(f"{model_path}: no config.json; is this the verifier checkpoint? "
-                           "rerun `dvc repro verifier` or fix verifier.path in params.yaml")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
-    model.eval()
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Capture
-
-
-def _decoder(model):
-    """(decoder layers, final norm) of a decoder-only HF model (Llama-style layout)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
-    if layers is None or norm is None:
-        raise ExtractError(f"{type(model).__name__}: expected `.model.layers` and `.model.norm` "
-                           "(a Llama-style decoder); extraction of this architecture is not "
-                           "supported by the transformers extractor")
-    return base, layers, norm
-
-
-@torch.no_grad()
-def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            aux_ids: Iterable[int]) -> torch.Tensor:
-    """Hidden states [B, T, len(aux_ids) + 1, H] in the model's dtype: slot k < n_aux is the
-    residual stream entering decoder layer aux_ids[k] (id == num_layers: the last layer's
-    output), the last slot is the last layer's output before the final norm. Runs the decoder
-    only (no lm_head). Right-pad batches and pass the attention mask."""
-    aux_ids = list(aux_ids)
-    base, layers, norm = _decoder(model)
-    n_layers = len(layers)
-    if any(not 0 <= i <= n_layers for i in aux_ids):
-        raise ExtractError(f"aux layer ids {aux_ids} out of range [0, {n_layers}]")
-    got: dict[int, torch.Tensor] = {}
-
-    def pre_hook(key: int):
-        def hook(module, args, kwargs):
-            got[key] = args[0] if args else kwargs["hidden_states"]
-        return hook
-
-    # key n_layers = input of the final norm = output of the last decoder layer (pre-norm)
-    handles = [layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True)
-               for i in sorted(set(aux_ids)) if i < n_layers]
-    handles.append(norm.register_forward_pre_hook(pre_hook(n_layers), with_kwargs=True))
-    try:
-        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.stack([got[i] for i in aux_ids] + [got[n_layers]], dim=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,101 +214,156 @@ def _save_dataset(samples: list[Sample], out_dir: Path) -> None:
                            "save_to_disk?); output would not be byte-deterministic")
 
 
-def padded_batches(samples: list[Sample], batch_size: int, pad_id: int
-                   ) -> Iterable[tuple[list[int], list[int], torch.Tensor, torch.Tensor]]:
-    """The batches extract_split runs: samples sorted by length (longest first, ties by row),
-    padded right. Yields (sample indices, lengths, input_ids, attention_mask)."""
-    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
-    for k in range(0, len(order), batch_size):
-        batch = order[k:k + batch_size]
-        lens = [len(samples[i].input_ids) for i in batch]
-        ids = torch.full((len(batch), max(lens)), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), max(lens)), dtype=torch.long)
-        for r, (i, n) in enumerate(zip(batch, lens)):
-            ids[r, :n] = torch.tensor(samples[i].input_ids, dtype=torch.long)
-            mask[r, :n] = 1
-        yield batch, lens, ids, mask
-
-
-def extract_split(model, samples: list[Sample], aux_ids: list[int], out_dir: Path,
-                  dtype: torch.dtype, batch_size: int, pad_id: int = 0,
-                  progress: bool = True, desc: str = "extract") -> float:
-    """Writes one split; returns seconds spent in forward passes. Batches are formed from
-    samples sorted by length (longest first, ties by row), padded right."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hs_dir = out_dir / "hidden_states"
-    hs_dir.mkdir()
-    _save_dataset(samples, out_dir)
-    seconds = 0.0
-    bar = tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", desc=desc,
-               disable=not progress, mininterval=1.0)
-    for batch, lens, ids, mask in padded_batches(samples, batch_size, pad_id):
-        t0 = time.perf_counter()
-        states = capture(model, ids, mask, aux_ids)
-        seconds += time.perf_counter() - t0
-        for r, (i, n) in enumerate(zip(batch, lens)):
-            save_file({"token_ids": ids[r, :n].clone(),
-                       "hidden_states": states[r, :n].to(dtype).contiguous()},
-                      str(hs_dir / f"hs_{i}.safetensors"))
-        bar.update(sum(lens))
-    bar.close()
-    return seconds
-
-
 def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def write_split(out_dir: Path, samples: list[Sample], states: Iterator[tuple[int, torch.Tensor]],
+                dtype: torch.dtype, *, progress: bool = True, desc: str = "extract") -> float:
+    """Writes one split: the tokenized rows, and hs_{i}.safetensors for every (i, hidden states
+    [T, n_slots, H]) that `states` yields (cast to `dtype`). Returns the seconds spent waiting
+    on `states` (the engine's share of the work)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hs_dir = out_dir / "hidden_states"
+    hs_dir.mkdir()
+    _save_dataset(samples, out_dir)
+    bar = tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", desc=desc,
+               disable=not progress, mininterval=1.0)
+    seconds, t0 = 0.0, time.perf_counter()
+    for i, hidden in states:
+        seconds += time.perf_counter() - t0
+        ids = torch.tensor(samples[i].input_ids, dtype=torch.long)
+        save_file({"token_ids": ids, "hidden_states": hidden.to(dtype).contiguous()},
+                  str(hs_dir / f"hs_{i}.safetensors"))
+        bar.update(len(ids))
+        t0 = time.perf_counter()
+    bar.close()
+    return seconds
+
+
 def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
-        capture_path: str | os.PathLike, out_dir: str | os.PathLike,
-        metrics_path: str | os.PathLike | None, *, dtype: str, batch_size: int, threads: int,
-        progress: bool = True) -> dict:
-    """The extract stage: verifier + dataset + capture.json -> artifacts/hidden (atomically,
-    validated before it is published) and metrics/extract.json. Returns the metrics."""
-    if dtype not in DTYPES:
-        raise ExtractError(f"extract.dtype={dtype!r}: use one of {sorted(DTYPES)}")
-    seed_everything(0, threads)
-    torch_dtype = DTYPES[dtype]
+            capture_path: str | os.PathLike, out_dir: str | os.PathLike, *, settings: dict,
+            e, progress: bool = True) -> dict:
+    """The extract stage: verifier + dataset + capture.json -> artifacts/hidden, captured by
+    vLLM with the run's engine settings, spot-checked against the transformers oracle,
+    validated and published atomically. `e` is the params' `extract` section. Returns the
+    metrics (tokens_per_second is the only timing)."""
+    seed_everything(0, e.threads)
     v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
-    mdir, info = v.model_dir, v.info
-    spec = read_capture(capture_path, info)  # fail fast, before loading weights
-    splits = {name: read_split(Path(dataset_dir) / f"{name}.jsonl", info.vocab_size,
+    spec = read_capture(capture_path, v.info)  # fail fast, before loading weights
+    splits = {name: read_split(Path(dataset_dir) / f"{name}.jsonl", v.info.vocab_size,
                                v.get("max_position_embeddings")) for name in SPLITS}
     if not splits["train"]:
         raise ExtractError(f"{Path(dataset_dir) / 'train.jsonl'}: no samples; "
                            "regenerate it with `dvc repro dataset`")
-    log.info("verifier %s: %d layers, H=%d; capturing aux %s + pre-norm final as %s",
-             mdir, info.num_hidden_layers, info.hidden_size, list(spec.aux_layer_ids), dtype)
-    model = load_verifier(mdir)
-    mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
-    check_capture_matches(spec, VerifierInfo(
-        source=str(mdir), hidden_size=mcfg.hidden_size, num_hidden_layers=mcfg.num_hidden_layers,
-        vocab_size=mcfg.vocab_size, num_attention_heads=None, bos_token_id=None,
-        eos_token_id=None, model_type=None, architectures=()), capture_path)
-    pad_id = mcfg.pad_token_id if isinstance(getattr(mcfg, "pad_token_id", None), int) else 0
     aux = list(spec.aux_layer_ids)
-    seconds, counts = 0.0, {}
+    log.info("verifier %s: %d layers, H=%d; vLLM captures aux %s + pre-norm final, stored as "
+             "%s", v.model_dir, v.info.num_hidden_layers, v.info.hidden_size, aux, e.dtype)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        for name in SPLITS:
-            samples = splits[name]
-            seconds += extract_split(model, samples, aux, tmp / name, torch_dtype, batch_size,
-                                     pad_id=pad_id, progress=progress, desc=f"extract {name}")
-            validate_split(tmp / name, samples, spec.num_slots, spec.hidden_size, torch_dtype)
-            counts[name] = {"samples": len(samples),
-                            "tokens": sum(len(s.input_ids) for s in samples),
-                            "supervised_tokens": sum(sum(s.loss_mask) for s in samples)}
-        manifest = {"layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
-                    "slots": [f"layer_input_{i}" for i in aux] + ["final_pre_norm"],
-                    "hidden_size": spec.hidden_size, "verifier_num_layers":
-                    spec.verifier_num_layers, "dtype": dtype, "splits": counts}
-        write_json(tmp / "manifest.json", manifest)
+        seconds, kept = _capture_splits(v, splits, aux, tmp, settings, e, progress)
+        oracle = oracle_check(v, splits["train"], kept, aux, e)
+        counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
+                         "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
+                  for name, ss in splits.items()}
+        write_json(tmp / "manifest.json", {
+            "layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
+            "slots": slot_names(aux), "hidden_size": spec.hidden_size,
+            "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
+            "splits": counts})
+    return _metrics(out_dir, spec, counts, seconds, settings, e, oracle)
+
+
+def _capture_splits(v: Verifier, splits: dict, aux: list[int], tmp: Path, settings: dict, e,
+                    progress: bool) -> tuple[float, dict[int, torch.Tensor]]:
+    """Both splits through one capturing engine, each validated from disk; returns the engine
+    seconds and the first extract.oracle_samples train samples' states as vLLM computed them."""
+    from eagle3pipe import capture, engine
+
+    layer_ids = aux + [v.info.num_hidden_layers]
+    kept: dict[int, torch.Tensor] = {}
+    seconds = 0.0
+    with capture.storage_dir(tmp) as storage, engine.engine(
+            settings, v.model_dir, tokenizer=v.dir, threads=e.threads,
+            **capture.engine_config(layer_ids, Path(storage))) as llm:
+        for name, samples in splits.items():
+            states = capture.hidden_states(llm, [list(s.input_ids) for s in samples],
+                                           batch_size=e.batch_size)
+            if name == "train":
+                states = _keep(states, kept, e.oracle_samples)
+            seconds += write_split(tmp / name, samples, states, DTYPES[e.dtype],
+                                   progress=progress, desc=f"extract {name}")
+            validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
+                           DTYPES[e.dtype])
+    return seconds, kept
+
+
+def _keep(states: Iterator[tuple[int, torch.Tensor]], kept: dict, n: int):
+    for i, hidden in states:
+        if i < n:
+            kept[i] = hidden.clone()
+        yield i, hidden
+
+
+def slot_names(aux: list[int]) -> list[str]:
+    return [f"layer_input_{i}" for i in aux] + ["final_pre_norm"]
+
+
+def oracle_check(v: Verifier, samples: list[Sample], engine_states: dict[int, torch.Tensor],
+                 aux: list[int], e) -> dict:
+    """The transformers extractor (eagle3pipe.capture.tf_capture, float32) on the first
+    extract.oracle_samples training samples, against what vLLM captured: the largest relative
+    error ||vllm - hf|| / ||hf|| per slot. Above extract.oracle_tolerance the stage fails,
+    naming the slot and layer. Skipped (and said so) when the weights would not fit in host
+    memory."""
+    from eagle3pipe import capture
+
+    n = min(e.oracle_samples, len(samples))
+    if n == 0:
+        return {"samples": 0, "skipped": "extract.oracle_samples is 0"}
+    too_big = capture.oracle_unfit(v)
+    if too_big:
+        log.warning("transformers oracle skipped: %s", too_big)
+        return {"samples": 0, "skipped": too_big}
+    model = capture.tf_load(v)
+    worst = [0.0] * (len(aux) + 1)
+    for i in range(n):
+        ids = torch.tensor([samples[i].input_ids], dtype=torch.long)
+        ref = capture.tf_capture(model, ids, None, aux)[0]
+        got = engine_states[i].to(ref.dtype)
+        for k in range(len(worst)):
+            err = float((got[:, k] - ref[:, k]).norm() / ref[:, k].norm().clamp_min(1e-30))
+            worst[k] = max(worst[k], err)
+    del model
+    names = slot_names(aux)
+    out = {"samples": n, "tolerance": e.oracle_tolerance,
+           "max_rel_error": {name: round(w, 4) for name, w in zip(names, worst)}}
+    bad = [(name, w) for name, w in zip(names, worst) if w > e.oracle_tolerance]
+    if bad:
+        raise ExtractError(
+            f"vLLM's hidden states differ from transformers' beyond extract.oracle_tolerance "
+            f"{e.oracle_tolerance}: " + ", ".join(f"{name} (layer {_layer(name, v)}) {w:.4f}"
+                                                 for name, w in bad),
+            fix="check the verifier's architecture support in vLLM and transformers (see "
+            "docs/verifier.md); raise extract.oracle_tolerance only if the difference is known")
+    return out
+
+
+def _layer(name: str, v: Verifier) -> int:
+    return v.info.num_hidden_layers if name == "final_pre_norm" else int(name.rsplit("_", 1)[1])
+
+
+def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, settings: dict,
+             e, oracle: dict) -> dict:
+    from eagle3pipe.engine import numeric
+
     tokens = sum(c["tokens"] for c in counts.values())
     hs_bytes = sum(tree_bytes(out_dir / n / "hidden_states") for n in SPLITS)
     total = tree_bytes(out_dir)
-    elem = torch.tensor([], dtype=torch_dtype).element_size()
-    metrics = {
+    elem = torch.tensor([], dtype=DTYPES[e.dtype]).element_size()
+    return {
+        "engine": "vllm", **{k: numeric(settings)[k] for k in ("tensor_parallel_size",)},
+        "engine_settings": numeric(settings),
         "samples": sum(c["samples"] for c in counts.values()),
         "tokens": tokens,
         "splits": counts,
@@ -377,21 +372,20 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
         "hidden_bytes_per_token": round(hs_bytes / tokens, 2),
         "min_bytes_per_token": spec.num_slots * spec.hidden_size * elem,
         "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "threads": threads,
+        "oracle": oracle,
+        "dtype": e.dtype,
+        "batch_size": e.batch_size,
+        "threads": e.threads,
     }
-    if metrics_path is not None:  # the committed file carries no timing: same inputs, same bytes
-        write_json(metrics_path, {k: v for k, v in metrics.items() if k != "tokens_per_second"})
-    return metrics
 
 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): paths.verifier, .dataset, .capture -> paths.out; the
     returned metrics carry no timing (same inputs, same bytes)."""
-    e = params.extract
-    m = extract(paths.verifier, paths.dataset, paths.capture, paths.out, None, dtype=e.dtype,
-                batch_size=e.batch_size, threads=e.threads, progress=paths.progress)
+    from eagle3pipe.engine import settings_of
+
+    m = extract(paths.verifier, paths.dataset, paths.capture, paths.out,
+                settings=settings_of(params.vllm), e=params.extract, progress=paths.progress)
     log.info("%d samples, %d tokens, %.0f tokens/s, %.0f bytes/token (min %d) -> %s",
              m["samples"], m["tokens"], m["tokens_per_second"], m["bytes_per_token"],
              m["min_bytes_per_token"], paths.out)

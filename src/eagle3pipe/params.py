@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -81,6 +82,29 @@ class DraftParams:
 
 
 @dataclass(frozen=True)
+class VllmParams:
+    """vLLM engine arguments, by vLLM's own names (vllm/engine/arg_utils.py EngineArgs; the
+    CPU backend's environment variables without their VLLM_ prefix). One section for every
+    engine that runs the verifier: dataset regeneration, extraction and smoke."""
+    tensor_parallel_size: int = spec("GPUs (CPU: NUMA-bound ranks) per model replica", min=1)
+    pipeline_parallel_size: int = spec("pipeline stages", min=1)
+    data_parallel_size: int = spec("model replicas", min=1)
+    enable_expert_parallel: bool = spec("shard MoE experts across the TP x DP ranks")
+    gpu_memory_utilization: float = spec("share of each GPU's memory vLLM may use", min=0.01)
+    max_model_len: int = spec("longest sequence an engine accepts (prompt + output)", min=16)
+    dtype: str = spec("verifier compute dtype, the same in every engine",
+                      choices=("float32", "bfloat16", "float16"))
+    trust_remote_code: bool = spec("let transformers/vLLM run the checkpoint's own *.py")
+    enforce_eager: bool = spec("no CUDA graphs (CPU: always eager)")
+    kv_cache_memory_bytes: int | None = spec(
+        "KV cache bound per engine; null: vLLM sizes it from gpu_memory_utilization (GPU)",
+        min=1)
+    cpu_omp_threads_bind: str = spec(
+        "CPU only (VLLM_CPU_OMP_THREADS_BIND): cores per rank, e.g. 0|1 for TP 2; auto")
+    seed: int = spec("engine seed", min=0)
+
+
+@dataclass(frozen=True)
 class DatasetParams:
     source: str | None = spec("JSONL of {messages: [...]}, or null for stdlib prompts")
     num_samples: int = spec("conversations to keep (stdlib prompts) or read at most", min=1)
@@ -95,8 +119,12 @@ class DatasetParams:
 @dataclass(frozen=True)
 class ExtractParams:
     dtype: str = spec("stored hidden-state dtype", choices=("bfloat16", "float16", "float32"))
-    batch_size: int = spec("sequences per forward pass", min=1)
-    threads: int = spec("torch CPU threads", min=1)
+    batch_size: int = spec("sequences per engine call (and per oracle forward pass)", min=1)
+    threads: int = spec("torch CPU threads (the transformers oracle)", min=1)
+    oracle_samples: int = spec("training samples re-extracted by the transformers oracle "
+                               "(0: none)", min=0)
+    oracle_tolerance: float = spec("largest relative error per slot vLLM vs transformers",
+                                   min=0.0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,7 @@ class TrainParams:
     seed: int = spec("training seed", min=0)
     threads: int = spec("torch CPU threads", min=1)
     device: str = spec("training device", choices=("cpu", "cuda"))
+    nproc_per_node: int = spec("training processes (torchrun; one per GPU on cuda)", min=1)
     epochs: int = spec("passes over the training samples", min=1)
     batch_tokens: int = spec("tokens per optimizer step (packed)", min=16)
     learning_rate: float = spec("AdamW peak learning rate", min=0.0)
@@ -117,7 +146,6 @@ class TrainParams:
 class SmokeParams:
     num_prompts: int = spec("held-out prompts generated", min=1)
     max_tokens: int = spec("tokens generated per prompt", min=1)
-    kv_cache_gib: float = spec("vLLM KV cache bound (GiB)", min=0.1)
     min_acceptance_length: float = spec("fail below this mean acceptance length", min=1.0)
     min_gain_over_ngram: float = spec("fail unless draft/ngram acceptance ratio reaches this",
                                       min=0.0)
@@ -131,6 +159,7 @@ class SmokeParams:
 class Params:
     verifier: VerifierParams = spec("the verifier the draft serves")
     draft: DraftParams = spec("the draft architecture")
+    vllm: VllmParams = spec("the vLLM engine that runs the verifier in every stage")
     dataset: DatasetParams = spec("training conversations")
     extract: ExtractParams = spec("hidden-state extraction")
     train: TrainParams = spec("draft training")
@@ -198,13 +227,17 @@ def _check_scalar(value: Any, tp: Any, meta: dict) -> tuple[Any, str | None, str
                 if isinstance(value, str) else ""
             return value, f"expected a number, got {value!r}{hint}", "write a number"
         value = float(value)
+        if not math.isfinite(value):
+            return value, f"must be a finite number, got {value}", "write a finite number"
     elif tp is str:
         if not isinstance(value, str):
             return value, f"expected a string, got {value!r}", "quote the value"
-    elif tp is dict:
+    elif tp is dict:  # the one mapping-valued key: draft.rope_scaling
         if not isinstance(value, dict):
             return value, f"expected a mapping, got {value!r}", "write a mapping or null"
-        return json.loads(json.dumps(dict(value))), None, ""
+        value = json.loads(json.dumps(dict(value)))
+        err, fix = _rope_problem(value)
+        return value, err, fix
     if meta.get("choices") and value not in meta["choices"]:
         return value, f"{value!r} is not one of {list(meta['choices'])}", \
             f"use one of {', '.join(map(str, meta['choices']))}"
@@ -214,6 +247,38 @@ def _check_scalar(value: Any, tp: Any, meta: dict) -> tuple[Any, str | None, str
         return value, f"must be even (rotary embeddings rotate pairs of dims), got {value}", \
             f"use an even value such as {value + 1}"
     return value, None, ""
+
+
+# the fields each rope type needs besides rope_type and rope_theta (draft.rope_theta), as
+# transformers' RotaryEmbeddingConfigMixin._validate_<type>_rope_parameters require them
+# (transformers/modeling_rope_utils.py)
+ROPE_REQUIRED = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+}
+
+
+def _rope_problem(rope: dict) -> tuple[str | None, str]:
+    """(what is wrong, the fix) with a rope_scaling mapping, or (None, "")."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ROPE_REQUIRED:
+        return (f"rope_type {kind!r} is not one of {sorted(ROPE_REQUIRED)}",
+                "set rope_type to one of those, or rope_scaling: null")
+    missing = [k for k in ROPE_REQUIRED[kind] if k not in rope]
+    if missing:
+        return (f"rope_type {kind} needs {', '.join(missing)} (missing)",
+                f"add {', '.join(f'{k}: ...' for k in missing)} under draft.rope_scaling")
+    for k, v in rope.items():
+        vals = v if isinstance(v, list) else [v]
+        if k not in ("rope_type", "type") and not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                for x in vals):
+            return f"{k} must be a finite number (or list of numbers), got {v!r}", \
+                "write finite numbers"
+    return None, ""
 
 
 def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Problem],
@@ -374,7 +439,15 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 f"{e.num_attention_heads} does not divide hidden_size "
                                 f"{e.hidden_size}; transformers' LlamaConfig rejects that",
                                 "pick a divisor of verifier.embedded.hidden_size"))
+    _check_engine(p, file, lines, problems)
     s = p.smoke
+    most = p.draft.num_speculative_tokens + 1
+    if s.min_acceptance_length > most:
+        problems.append(Problem(file, lines.get("smoke.min_acceptance_length"),
+                                "smoke.min_acceptance_length",
+                                f"{s.min_acceptance_length} can never be reached: with "
+                                f"draft.num_speculative_tokens {most - 1} a step accepts at most "
+                                f"k + 1 = {most} tokens", f"use a value <= {most}"))
     if s.ngram_prompt_lookup_min > s.ngram_prompt_lookup_max:
         problems.append(Problem(file, lines.get("smoke.ngram_prompt_lookup_min"),
                                 "smoke.ngram_prompt_lookup_min",
@@ -384,6 +457,38 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
         problems.append(Problem(file, lines.get("dataset.eval_fraction"), "dataset.eval_fraction",
                                 f"must be in [0, 1), got {p.dataset.eval_fraction}",
                                 "use e.g. 0.1"))
+
+
+def _check_engine(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
+    """What vLLM would refuse only after loading weights: heads that do not split over the
+    tensor-parallel ranks (vLLM's draft runs at the verifier's TP size), sequences longer than
+    the engine accepts. The verifier's own heads are checked against it in the verifier stage."""
+    v, d = p.vllm, p.draft
+    tp = v.tensor_parallel_size
+    key = "vllm.tensor_parallel_size"
+    if d.num_attention_heads % tp:
+        problems.append(Problem(file, lines.get(key), key,
+                                f"{tp} does not divide draft.num_attention_heads "
+                                f"{d.num_attention_heads}: vLLM shards the draft's heads over "
+                                "the same ranks as the verifier's",
+                                "pick a tensor_parallel_size that divides the head counts"))
+    elif d.num_key_value_heads % tp and tp % d.num_key_value_heads:
+        problems.append(Problem(file, lines.get(key), key,
+                                f"{tp} and draft.num_key_value_heads {d.num_key_value_heads} do "
+                                "not divide one another (vLLM splits or replicates KV heads)",
+                                "pick a tensor_parallel_size that divides the KV heads or "
+                                "that they divide"))
+    if p.dataset.max_seq_len > v.max_model_len:
+        problems.append(Problem(file, lines.get("vllm.max_model_len"), "vllm.max_model_len",
+                                f"{v.max_model_len} is shorter than dataset.max_seq_len "
+                                f"{p.dataset.max_seq_len}: the dataset engine would refuse "
+                                "its own samples", f"raise it to at least "
+                                f"{p.dataset.max_seq_len}"))
+    if not 0.0 < v.gpu_memory_utilization <= 1.0:
+        problems.append(Problem(file, lines.get("vllm.gpu_memory_utilization"),
+                                "vllm.gpu_memory_utilization",
+                                f"must be in (0, 1], got {v.gpu_memory_utilization}",
+                                "use e.g. 0.9"))
 
 
 def line_of(params: Params, key: str) -> int | None:

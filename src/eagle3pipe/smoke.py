@@ -46,8 +46,8 @@ class SmokeError(Error, RuntimeError):
     """A draft that does not load, is not lossless, or does not speculate well enough.
     `metrics` holds what was measured (None when the run stopped before the engines)."""
 
-    def __init__(self, message: str, metrics: dict | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, metrics: dict | None = None, *, fix: str = ""):
+        super().__init__(message, fix)
         self.metrics = metrics
 
 
@@ -114,12 +114,12 @@ class Inputs:
     model_dir: Path  # the verifier's weights
     tokenizer: Any
     prompts: list[list[int]]
-    max_model_len: int
+    settings: dict  # the run's vLLM engine settings (engine.settings_of)
 
 
-def read_inputs(s, export_dir: str | Path, verifier_dir: str | Path) -> Inputs:
-    """The exports, k, the verifier and the tokenized prompts; max_model_len fits the longest
-    prompt, its generation and one speculative step past it."""
+def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path) -> Inputs:
+    """The exports, k, the verifier and the tokenized prompts; vllm.max_model_len must fit the
+    longest prompt, its generation and one speculative step past it."""
     exports = export_dirs(export_dir)
     k = speculative_tokens(export_dir)
     v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
@@ -128,8 +128,14 @@ def read_inputs(s, export_dir: str | Path, verifier_dir: str | Path) -> Inputs:
     longest = max(map(len, prompts))
     log.info("smoke: verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
              v.model_dir, k, len(prompts), longest, s.max_tokens)
-    return Inputs(exports, k, v.model_dir, tok, prompts,
-                  max_model_len=longest + s.max_tokens + k + 1)
+    need = longest + s.max_tokens + k + 1
+    if need > settings["max_model_len"]:
+        raise SmokeError(f"vllm.max_model_len {settings['max_model_len']} is shorter than the "
+                         f"longest smoke prompt ({longest} tokens) + smoke.max_tokens "
+                         f"({s.max_tokens}) + k + 1 = {need}",
+                         fix=f"raise vllm.max_model_len to at least {need} or lower "
+                         "smoke.max_tokens")
+    return Inputs(exports, k, v.model_dir, tok, prompts, settings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,9 +147,8 @@ def check_loads(s, inp: Inputs) -> None:
     SmokeError listing every problem."""
     problems = []
     for fmt, d in inp.exports.items():
-        rep = vllm_load.check_draft(inp.model_dir, d, num_speculative_tokens=inp.k,
-                                    kv_cache_gib=s.kv_cache_gib, seed=s.seed,
-                                    max_model_len=inp.max_model_len)
+        rep = vllm_load.check_draft(inp.settings, inp.model_dir, d,
+                                    num_speculative_tokens=inp.k)
         log.info("smoke: %s: engine-less load check (%s) %s in %.1f s%s", fmt,
                  rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
                  "; shared verifier embedding" if rep.shared_embedding else "")
@@ -201,12 +206,10 @@ def _delta(before: dict, after: dict) -> dict:
 
 def run_engine(name: str, inp: Inputs, s, speculative_config: dict | None) -> EngineRun:
     """One in-process vLLM engine on the verifier: greedy generation on the prompts and the
-    spec-decode counter deltas. vLLM picks the dtype (its "auto"), as in the load check."""
+    spec-decode counter deltas, with the run's engine settings (as every stage's engine)."""
     t0 = time.perf_counter()
-    with engine.engine(inp.model_dir, dtype="auto", seed=s.seed,
-                          max_model_len=inp.max_model_len, kv_cache_gib=s.kv_cache_gib,
-                          threads=s.threads, speculative_config=speculative_config,
-                          stats=True) as llm:
+    with engine.engine(inp.settings, inp.model_dir, threads=s.threads,
+                       speculative_config=speculative_config, stats=True) as llm:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -337,6 +340,7 @@ def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *
         "num_prompts": len(inp.prompts),
         "max_tokens": s.max_tokens,
         "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
+        "engine": engine.numeric(inp.settings),
         "formats": {fmt: results[fmt] for fmt in inp.exports},
         NGRAM: results[NGRAM],
         "mean_acceptance_length": {name: results[name]["mean_acceptance_length"]
@@ -364,13 +368,14 @@ def plot_rows(results: dict[str, dict]) -> list[dict]:
 # the stage
 
 
-def measure(s, *, export_dir: str | Path, verifier_dir: str | Path, plots_path: str | Path
-            ) -> dict:
-    """Runs the smoke test; `s` is the params' `smoke` section. Writes the plot data and
-    returns the metrics; raises SmokeError (with .metrics) when a check fails."""
-    engine.environment(s.kv_cache_gib)  # before anything imports vLLM
+def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
+            plots_path: str | Path) -> dict:
+    """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
+    (engine.settings_of). Writes the plot data and returns the metrics; raises SmokeError (with
+    .metrics) when a check fails."""
+    engine.environment(settings)  # before anything imports vLLM
     runtime.seed_everything(s.seed, s.threads)
-    inp = read_inputs(s, export_dir, verifier_dir)
+    inp = read_inputs(s, settings, export_dir, verifier_dir)
     # one freeze of the imports' objects for the load checks and every engine
     with engine.frozen_heap():
         check_loads(s, inp)
@@ -389,8 +394,8 @@ def measure(s, *, export_dir: str | Path, verifier_dir: str | Path, plots_path: 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): paths.export, .verifier -> paths.plots; returns the
     metrics (the runner writes paths.metrics)."""
-    m = measure(params.smoke, export_dir=paths.export, verifier_dir=paths.verifier,
-                plots_path=paths.plots)
+    m = measure(params.smoke, engine.settings_of(params.vllm), export_dir=paths.export,
+                verifier_dir=paths.verifier, plots_path=paths.plots)
     for name, length in sorted(m["mean_acceptance_length"].items()):
         log.info("%s: mean acceptance length %s at k=%d", name, length,
                  m["num_speculative_tokens"])

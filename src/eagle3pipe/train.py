@@ -228,6 +228,10 @@ def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
     schedule still spans all epochs, where speculators' max_steps shortens it)."""
     seed_everything(p.seed, p.threads)
     d = setup_distributed(p.device)
+    if d.world != p.nproc_per_node:
+        raise TrainInputError(f"{d.world} training process(es) running, train.nproc_per_node "
+                              f"is {p.nproc_per_node}", fix="run the stage through `dvc repro "
+                              "train` (its cmd launches torchrun with train.nproc_per_node)")
     backend = backend_for(p.device)
     if d.device.type == "cpu":
         torch.use_deterministic_algorithms(True)

@@ -1,11 +1,13 @@
 """The verifier handle: the only reader of the verifier's files.
 
-`Verifier.open(artifacts/verifier)` answers everything a downstream stage asks of the verifier:
+`Verifier(artifacts/verifier)` answers everything a downstream stage asks of the verifier:
 where its weights are (`model_dir`; path mode checks the external checkpoint is still what the
 verifier stage fingerprinted), its decoder config (`config`, with a multimodal wrapper's
-`text_config` unwrapped), the sizes that fix the draft (`info`), its tokenizer and its dtype.
-It never builds anything: building the embedded verifier, or fingerprinting a checkpoint, is
-the verifier stage's (verifier_stage.py, embedded.py), which only that stage imports.
+`text_config` unwrapped), the sizes that fix the draft (`info`), and its tokenizer. Its dtype
+and parallelism in the engines are the params' `vllm:` section's (eagle3pipe.engine), the same
+in every stage. It never builds anything: building the embedded verifier, or fingerprinting a
+checkpoint, is the verifier stage's (verifier_stage.py, embedded.py), which only that stage
+imports.
 
 The verifier stage's output directory holds config.json, the tokenizer files and manifest.json:
   embedded: {"mode": "embedded", "path": null, "files": ...}; the weights are in the directory.
@@ -26,7 +28,6 @@ from eagle3pipe.params import Problem
 from eagle3pipe.runtime import read_json_object
 
 MANIFEST = "manifest.json"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class VerifierError(Error, ValueError):
@@ -163,17 +164,6 @@ class Verifier:
     def get(self, key: str) -> Any:
         """A decoder config value, or None when the config does not have it."""
         return self.config.get(key)
-
-    @property
-    def dtype(self) -> str:
-        """The checkpoint's own dtype (vLLM's "auto" would downcast a float32 checkpoint)."""
-        for cfg in (self.config, self.whole_config):
-            dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-            if dtype in DTYPES:
-                return dtype
-        raise VerifierConfigError(str(Problem(
-            str(self.config_path), None, "dtype", "missing or not one of " + ", ".join(DTYPES),
-            "write the checkpoint's dtype (\"torch_dtype\") into its config.json")))
 
     def tokenizer(self, *, chat: bool = True):
         """The verifier's tokenizer (from the stage's copies); with chat, one with a template."""

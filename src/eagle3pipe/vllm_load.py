@@ -49,13 +49,15 @@ class LoadReport:
         return not self.problems
 
 
-def build_vllm_config(model_dir: str | Path, speculative_config: dict, *, kv_cache_gib: float = 1,
-                      seed: int = 0, max_model_len: int | None = None):
-    """The VllmConfig `LLM(...)` would build for these arguments (vLLM's EngineArgs)."""
+def build_vllm_config(settings: dict, model_dir: str | Path, speculative_config: dict):
+    """The VllmConfig `LLM(...)` would build with the run's engine settings (vLLM's
+    EngineArgs), for one rank: tensor names and shapes do not depend on the parallelism, and
+    the check runs in this one process."""
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = engine.engine_kwargs(model_dir, speculative_config=speculative_config,
-                       kv_cache_gib=kv_cache_gib, seed=seed, max_model_len=max_model_len)
+    kw = engine.engine_kwargs(settings, model_dir, speculative_config=speculative_config,
+                              tensor_parallel_size=1, pipeline_parallel_size=1,
+                              data_parallel_size=1, enable_expert_parallel=False)
     return EngineArgs(**kw).create_engine_config()
 
 
@@ -142,12 +144,11 @@ def _slot_shape(module, param, shard_id) -> tuple[int, ...] | None:
     return tuple(s)
 
 
-def check_draft(model_dir: str | Path, draft_dir: str | Path, *, num_speculative_tokens: int,
-                kv_cache_gib: float = 1, seed: int = 0,
-                max_model_len: int | None = None) -> LoadReport:
+def check_draft(settings: dict, model_dir: str | Path, draft_dir: str | Path, *,
+                num_speculative_tokens: int) -> LoadReport:
     """Loads `draft_dir` into vLLM's EAGLE-3 draft class engine-less and reports what vLLM would
-    silently get wrong. `model_dir` is the verifier checkpoint (its config is read, not its
-    weights)."""
+    silently get wrong. `settings`: the run's engine settings (engine.settings_of); `model_dir`
+    is the verifier checkpoint (its config is read, not its weights)."""
     t0 = time.perf_counter()
     draft_dir = Path(draft_dir)
     report = LoadReport(draft_dir=str(draft_dir))
@@ -155,8 +156,7 @@ def check_draft(model_dir: str | Path, draft_dir: str | Path, *, num_speculative
             "num_speculative_tokens": int(num_speculative_tokens)}
     steps: list[str] = []
     try:
-        load = _load(model_dir, spec, report, steps, kv_cache_gib=kv_cache_gib, seed=seed,
-                     max_model_len=max_model_len)
+        load = _load(settings, model_dir, spec, report, steps)
     except Exception as e:  # noqa: BLE001 - reported with vLLM's own message
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         report.problems.append(f"{draft_dir}: vLLM failed while {steps[-1]}: {tb}")
@@ -182,12 +182,12 @@ class _Load:
     keep: list = field(default_factory=list)  # the checkpoint tensors, so no key is reused
 
 
-def _load(model_dir: str | Path, spec: dict, report: LoadReport, steps: list[str],
-          **engine: Any) -> _Load:
+def _load(settings: dict, model_dir: str | Path, spec: dict, report: LoadReport,
+          steps: list[str]) -> _Load:
     """Builds vLLM's config, instantiates the draft class and runs vLLM's weight loader on the
     export; `steps` ends with the step under way (for the report when one raises)."""
     steps.append("building vLLM's config")
-    vc = build_vllm_config(model_dir, spec, **engine)
+    vc = build_vllm_config(settings, model_dir, spec)
     with single_process_group(vc):
         steps.append("instantiating vLLM's draft model class")
         load = _instantiate(vc, report)

@@ -1,0 +1,52 @@
+"""vLLM's own parallelism in every stage that runs the verifier, and several training processes,
+all through `dvc repro` on the micro pipeline: tensor_parallel_size 2 on this CPU (one core per
+rank, VLLM_CPU_OMP_THREADS_BIND "0|1") for dataset, extract and smoke, and train under torchrun
+with train.nproc_per_node 2 (gloo)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from pipeline import STAGES, make_repo, repro, set_param, sh
+
+pytestmark = pytest.mark.slow
+
+PARALLEL = {"vllm.tensor_parallel_size": 2, "vllm.cpu_omp_threads_bind": "0|1",
+            "train.nproc_per_node": 2, "train.threads": 1}
+
+
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory):
+    repo = make_repo(tmp_path_factory.mktemp("parallel") / "repo")
+    for key, value in PARALLEL.items():
+        set_param(repo, key, value)
+    sh(repo, "git", "commit", "-qam", "parallel")
+    return repo, repro(repo)
+
+
+def test_every_stage_runs_at_tp2_with_two_training_processes(parallel):
+    repo, ran = parallel
+    assert ran == set(STAGES)
+    extract = json.loads((repo / "metrics/extract.json").read_text())
+    assert extract["engine"] == "vllm" and extract["tensor_parallel_size"] == 2
+    assert max(extract["oracle"]["max_rel_error"].values()) < 0.01, extract["oracle"]
+    dataset = json.loads((repo / "metrics/dataset.json").read_text())
+    assert dataset["engine"]["tensor_parallel_size"] == 2
+    smoke = json.loads((repo / "metrics/smoke.json").read_text())
+    assert smoke["engine"]["tensor_parallel_size"] == 2
+    # lossless at TP 2: speculative vs non-speculative output of the same TP-2 verifier
+    assert all(smoke["formats"][f]["lossless"] for f in ("vllm", "speculators"))
+    assert smoke["ngram"]["lossless"] and smoke["passed"]
+    log = (repo / "dvc.lock").read_text()
+    assert "torchrun --standalone --nproc-per-node 2 stages/train.py" in log
+
+
+def test_two_process_training_gives_the_same_weights_on_rerun(parallel):
+    repo, _ = parallel
+    weights = repo / "artifacts/train/model.safetensors"
+    first = weights.read_bytes()
+    assert repro(repo, "-f", "-s", "train") == {"train"}
+    assert weights.read_bytes() == first
+    assert sorted(load_file(str(weights)))  # a real checkpoint, not an empty file

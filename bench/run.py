@@ -17,7 +17,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,11 +28,6 @@ SECTIONS = ("extract", "train", "dvc", "e2e", "scaling")
 STAGES = ("verifier", "configs", "dataset", "vocab", "extract", "train", "export", "smoke")
 MICRO_PARAMS = ROOT / "tests/micro/params.yaml"
 DEFAULT_PARAMS = ROOT / "params.yaml"
-MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, train_steps=30, batch_size=4, seq_len=64,
-                      learning_rate=5e-3, seed=0, threads=2)  # tests/conftest.py's micro verifier
 
 # what each mode measures; the targets are the issue's
 MODES = {
@@ -94,7 +88,7 @@ def headline_verifier(quick: bool, work: Path):
     vdir = work / "verifier"
     if not (vdir / "model.safetensors").is_file():
         log("building the micro embedded verifier (eagle3pipe.embedded.build, ~10 s)")
-        embedded.build(types.SimpleNamespace(**MICRO_EMBEDDED), vdir, progress=False)
+        embedded.build(params.load(MICRO_PARAMS).verifier.embedded, vdir, progress=False)
     info = VerifierInfo.from_config(vdir)
     return vdir, synthetic_samples(mode["n_samples"], *mode["len_range"], info.vocab_size), \
         "micro embedded verifier (H=64, 4 layers) + synthetic samples"
@@ -107,12 +101,13 @@ def headline_verifier(quick: bool, work: Path):
 def run_extract_train(which: set[str], quick: bool, work: Path, out: dict) -> None:
     import compute
     from eagle3pipe import params
-    from eagle3pipe.extract import load_verifier
+    from eagle3pipe.capture import tf_load
+    from eagle3pipe.verifier import Verifier
 
     mode = MODES["quick" if quick else "full"]
     p = params.load(MICRO_PARAMS if quick else DEFAULT_PARAMS)
     vdir, samples, desc = headline_verifier(quick, work)
-    model = load_verifier(vdir)
+    model = tf_load(Verifier(vdir))
     aux = list(p.draft.aux_layer_ids)
     if "extract" in which:
         log(f"extract: {desc}, {len(samples)} samples, "

@@ -1,4 +1,5 @@
-"""`eagle3pipe check`: the Kimi-K2.5 reference, corrupted checkpoints, hand edits, stale constants."""
+"""`eagle3pipe check`: the Kimi-K2.5 reference (and copies of it missing fields), corrupted and
+non-finite checkpoints, hand edits, stale architecture and serving values in every file kind."""
 from __future__ import annotations
 
 import contextlib
@@ -13,12 +14,13 @@ from safetensors.torch import save_file
 
 from eagle3pipe import arch as A
 from eagle3pipe import check as C
+from eagle3pipe import scan as S
 from eagle3pipe import cli
 from eagle3pipe import formats as R
 from eagle3pipe import params as P
 from eagle3pipe.checkpoint import check_checkpoint
 from eagle3pipe.export import TORCH_DTYPE
-from eagle3pipe.verifier import VerifierInfo, read_config
+from eagle3pipe.verifier import VerifierInfo
 
 from conftest import ROOT
 
@@ -280,28 +282,371 @@ def test_make_check_names_hand_edit(tmp_path):
     assert "configs/draft_config.json: differs from what params.yaml renders (head_dim" in r.stderr
 
 
-# ---- hand-written constants
+# ---- malformed checkpoints: every tensor finite, every file readable (through the CLI)
 
 
-def test_scan_finds_stale_constants(tmp_path):
-    repo = tmp_path / "r"
-    (repo / "scripts").mkdir(parents=True)
-    (repo / "scripts/old.py").write_text("x = 1\nhead_dim = 112  # 7168 / 64\n")
-    (repo / "draft_config.json").write_text('{\n  "head_dim": 112,\n  "hidden_size": 256\n}\n')
-    (repo / "ok.py").write_text("head_dim = 128\n")
-    (repo / "configs").mkdir()
-    (repo / "configs/x.json").write_text('{"head_dim": 112}')  # generated: exempt
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+VCFG = ROOT / "tests/data/verifier_config.json"
+
+
+def cli_checkpoint(ck: Path) -> tuple[int, str, str]:
+    """`eagle3pipe check --checkpoint ck` against params.yaml (verifier: tests/data's)."""
+    rc, out, err = run_cli("check", "--params", ROOT / "params.yaml", "--verifier-config", VCFG,
+                           "--no-configs", "--no-scan", "--checkpoint", ck)
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def params_arch() -> A.DraftArch:
+    return A.derive(P.load(ROOT / "params.yaml").draft, VerifierInfo.from_config(VCFG))
+
+
+def rewrite(ck: Path, **change) -> None:
+    """Rewrites model.safetensors with `change` ({tensor: function of the tensor})."""
+    from safetensors.torch import load_file
+    t = load_file(str(ck / "model.safetensors"))
+    save_file({k: change.get(k, lambda x: x)(v) for k, v in t.items()},
+              str(ck / "model.safetensors"))
+
+
+def _set(index, value):
+    def f(t):
+        t = t.clone()
+        t[index] = value
+        return t
+    return f
+
+
+@pytest.mark.parametrize("layout,tensor,change,counts", [
+    ("vllm", "fc.weight", lambda t: torch.full_like(t, float("nan")), "all NaN"),
+    ("vllm", "lm_head.weight", _set((3, 7), float("inf")), "(0 NaN, 1 Inf)"),
+    ("speculators", "layers.0.mlp.down_proj.weight", _set((0, 0), float("-inf")),
+     "(0 NaN, 1 Inf)"),
+    ("speculators", "norm.weight", _set(5, float("nan")), "(1 NaN, 0 Inf)"),
+])
+def test_non_finite_tensor_is_named(tmp_path, layout, tensor, change, counts):
+    a = params_arch()
+    ck = write_checkpoint(tmp_path / "ck", a, layout)
+    rewrite(ck, **{tensor: change})
+    rc, _, err = cli_checkpoint(ck)
+    assert rc == 1
+    n = 1
+    for d in A.contract(a, layout)[tensor].shape:
+        n *= d
+    want = f"({n} NaN, 0 Inf)" if counts == "all NaN" else counts
+    assert f"{ck / 'model.safetensors'}: tensor {tensor} has " in err and want in err, err
+    assert err.count("non-finite") == 1
+
+
+def test_non_finite_in_a_second_file_names_that_file(tmp_path, monkeypatch):
+    """A sharded checkpoint: the NaN's file is named; tensors are read in slices (a slice size
+    of one row here) so the last row's NaN is found."""
+    from eagle3pipe import checkpoint as CK
+    monkeypatch.setattr(CK, "CHUNK_BYTES", 1)
+    a = params_arch()
+    ck = write_checkpoint(tmp_path / "ck", a, "vllm")
+    from safetensors.torch import load_file
+    t = load_file(str(ck / "model.safetensors"))
+    fc = t.pop("fc.weight").clone()
+    fc[-1, -1] = float("nan")
+    save_file(t, str(ck / "model-00001-of-00002.safetensors"))
+    save_file({"fc.weight": fc}, str(ck / "model-00002-of-00002.safetensors"))
+    (ck / "model.safetensors").unlink()
+    problems = check_checkpoint(ck, a)
+    assert problems == [f"{ck / 'model-00002-of-00002.safetensors'}: tensor fc.weight has 1 "
+                        f"non-finite values of {fc.numel()} (1 NaN, 0 Inf); vLLM loads it "
+                        "without an error and the draft proposes garbage: retrain (did the "
+                        "loss diverge?) or export again"], problems
+
+
+def test_finite_checkpoint_and_integer_maps_pass(tmp_path):
+    a = params_arch()
+    rc, out, err = cli_checkpoint(write_checkpoint(tmp_path / "ck", a, "vllm"))
+    assert rc == 0 and "check: OK" in out, err
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[: len(b) // 2], "truncated: its header puts tensor data up to byte"),
+    (lambda b: b[:8] + b"{not json" + b[17:], "not a safetensors file (header"),
+    (lambda b: b[:4], "not a safetensors file (shorter than 8 bytes)"),
+    (lambda b: (2**40).to_bytes(8, "little") + b[8:], "not a safetensors file (header length"),
+])
+def test_malformed_safetensors_file_is_named(tmp_path, damage, message):
+    ck = write_checkpoint(tmp_path / "ck", params_arch(), "vllm")
+    f = ck / "model.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    rc, _, err = cli_checkpoint(ck)
+    assert rc == 1 and f"{f}: {message}" in err, err
+
+
+def test_checkpoint_config_not_json(tmp_path):
+    ck = write_checkpoint(tmp_path / "ck", params_arch(), "vllm")
+    (ck / "config.json").write_text('{\n  "head_dim": 128,\n  oops\n}\n')
+    rc, _, err = cli_checkpoint(ck)
+    assert rc == 1 and f"{ck / 'config.json'}:3: invalid JSON" in err, err
+
+
+# ---- a published config that omits fields: compared as the value vLLM then uses
+
+
+def kimi_reference(tmp_path, drop=(), **add) -> Path:
+    ref = json.loads((KIMI / "reference.flat.config.json").read_text())
+    for key in drop:
+        d = ref
+        *parents, leaf = key.split(".")
+        for p in parents:
+            d = d[p]
+        del d[leaf]
+    ref.update(add)
+    f = tmp_path / "reference.json"
+    f.write_text(json.dumps(ref, indent=2))
+    return f
+
+
+def kimi_check(tmp_path, ref: Path, params_text: str | None = None) -> tuple[int, str, str]:
+    f = tmp_path / "kimi.yaml"
+    f.write_text((params_text or kimi_text()).replace("path: examples/", f"path: {ROOT}/examples/"))
+    rc, out, err = run_cli("check", "--params", f, "--no-configs", "--no-scan", "--reference", ref)
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def test_reference_without_aux_ids_states_vllms_fallback(tmp_path):
+    """Kimi-K2.5's verifier has 61 layers: vLLM falls back to (2, 30, 58), which is ours."""
+    ref = kimi_reference(tmp_path, drop=[C.AUX])
+    rc, out, err = kimi_check(tmp_path, ref)
+    assert rc == 0, err
+    row = next(line for line in out.splitlines() if C.AUX in line)
+    assert "ours=[2, 30, 58]" in row and "reference omits it: vLLM uses (2, 30, 58)" in row
+    assert "(2, L // 2, L - 3) for the verifier's L = 61 layers" in row
+
+
+def test_reference_without_aux_ids_differing_from_ours(tmp_path):
+    ref = kimi_reference(tmp_path, drop=[C.AUX])
+    rc, _, err = kimi_check(tmp_path, ref, kimi_text().replace("[2, 30, 58]", "[2, 31, 58]"))
+    assert rc == 1
+    assert f"{ref}: {C.AUX}: rendered [2, 31, 58], reference omits it: vLLM then uses " \
+           "(2, 30, 58)" in err, err
+
+
+def test_reference_top_level_aux_ids_are_what_vllm_reads(tmp_path):
+    ref = kimi_reference(tmp_path, drop=[C.AUX], eagle_aux_hidden_state_layer_ids=[1, 30, 58])
+    rc, _, err = kimi_check(tmp_path, ref)
+    assert rc == 1 and "vLLM then uses (1, 30, 58) (its top-level" in err, err
+
+
+def test_reference_without_head_dim_is_the_original_bug(tmp_path):
+    """A published config without head_dim: vLLM derives 7168 / 64 = 112, not our 128."""
+    rc, _, err = kimi_check(tmp_path, kimi_reference(tmp_path, drop=["head_dim"]))
+    assert rc == 1
+    assert "head_dim: rendered 128, reference omits it: vLLM then uses 112 " \
+           "(hidden_size // num_attention_heads" in err, err
+
+
+@pytest.mark.parametrize("field,fallback", [
+    ("rope_theta", "10000.0"), ("draft_vocab_size", "163840"), ("num_key_value_heads", None)])
+def test_reference_omitting_other_fields(tmp_path, field, fallback):
+    rc, out, err = kimi_check(tmp_path, kimi_reference(tmp_path, drop=[field]))
+    if fallback is None:  # 64 kv heads = 64 heads: the fallback equals ours
+        assert rc == 0 and "reference omits it: vLLM uses 64" in out, err
+    else:
+        assert rc == 1 and f"{field}: rendered" in err and \
+            f"reference omits it: vLLM then uses {fallback}" in err, err
+
+
+def test_every_field_vllm_reads_has_a_stated_fallback():
+    empty = {}
+    for key in R.VLLM_READS:
+        value, source = C.vllm_uses(key, empty, 61)
+        assert (value == C.ABSENT) == (key in ("architectures", "model_type")), (key, value)
+        assert source
+    assert C.vllm_uses(C.AUX, empty, 61)[0] == (2, 30, 58)
+    assert C.vllm_uses(C.AUX, empty, 4)[0] == (2, 2, 1)
+
+
+def test_reference_not_json(tmp_path):
+    f = tmp_path / "ref.json"
+    f.write_text("{\n  \"head_dim\": 128,\n")
+    rc, out, err = kimi_check(tmp_path, f)
+    assert rc == 2 and f"{f}:3: invalid JSON" in err, err
+
+
+# ---- hand-written architecture and serving values
+
+
+def git_repo(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    return root
+
+
+def cli_scan(repo: Path) -> tuple[int, str, str]:
+    rc, out, err = run_cli("check", "--params", ROOT / "params.yaml", "--verifier-config", VCFG,
+                           "--no-configs", "--root", repo)
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def notebook(*cells: tuple[str, list[str]]) -> str:
+    return json.dumps({"cells": [{"cell_type": kind, "metadata": {}, "source": src}
+                                 for kind, src in cells], "metadata": {}, "nbformat": 4,
+                       "nbformat_minor": 5}, indent=1)
+
+
+# (file, text, what the problem starts with): params.yaml says k = 3, head_dim 128, aux ids
+# [1, 2, 3], norm_before_residual true, rope_theta 1e4, eps 1e-6, draft vocab 1024, bfloat16
+STALE = [
+    ("serve.sh", "#!/bin/sh\nvllm serve m \\\n  --speculative-config "
+     "'{\"method\":\"eagle3\",\"num_speculative_tokens\":5}'\n",
+     "serve.sh:3: num_speculative_tokens = 5"),
+    ("serve.sh", "vllm serve m --head-dim 96 --port 8000\n",
+     "serve.sh:1: --head-dim (head_dim) = 96"),
+    ("scripts/run.sh", "python train.py --head_dim=96\n",
+     "scripts/run.sh:1: --head_dim (head_dim) = 96"),
+    ("launch", "#!/usr/bin/env bash\nARGS=\"{\\\"method\\\": \\\"eagle3\\\", "
+     "\\\"num_speculative_tokens\\\": 4}\"\n", "launch:2: num_speculative_tokens = 4"),
+    ("README.md", "# x\n\nProse --num-speculative-tokens 9 is not a command.\n\n```bash\n"
+     "vllm serve m --num-speculative-tokens 5\n```\n",
+     "README.md:6: --num-speculative-tokens (num_speculative_tokens) = 5"),
+    ("docs/serve.md", "Run:\n\n~~~\nHEAD_DIM=96 python serve.py\n~~~\n",
+     "docs/serve.md:4: HEAD_DIM (head_dim) = 96"),
+    ("demo.ipynb", notebook(("markdown", ["head_dim = 112 in prose\n"]),
+                            ("code", ["import x\n", "cfg = dict(head_dim=112)\n"])),
+     "demo.ipynb (cell 2):2: head_dim = 112"),
+    ("draft.py", "aux_layer_ids = [2, 30, 58]\n", "draft.py:1: aux_layer_ids = [2, 30, 58]"),
+    ("cfg.json", '{\n  "eagle_config": {\n    "eagle_aux_hidden_state_layer_ids": [\n      1,\n'
+     '      2,\n      4\n    ]\n  }\n}\n',
+     "cfg.json:3: eagle_aux_hidden_state_layer_ids (aux_layer_ids) = [1, 2, 4]"),
+    ("conf/draft.yaml", "draft:\n  aux_layer_ids:\n    - 1\n    - 2\n    - 5\n",
+     "conf/draft.yaml:2: aux_layer_ids = [1, 2, 5]"),
+    ("run.sh", "python capture.py --aux-layer-ids 1 2 4\n",
+     "run.sh:1: --aux-layer-ids (aux_layer_ids) = [1, 2, 4]"),
+    ("conf/draft.yaml", "norm_before_residual: false\n",
+     "conf/draft.yaml:1: norm_before_residual = False"),
+    ("model.py", "ROPE = dict(rope_theta=1e6)\n", "model.py:1: rope_theta = 1000000.0"),
+    ("cfg.json", '{"rms_norm_eps": 1e-08}', "cfg.json:1: rms_norm_eps = 1e-08"),
+    ("conf/v.yml", "draft_vocab_size: 32000\n", "conf/v.yml:1: draft_vocab_size = 32000"),
+    ("cfg.json", '{"vocab_size": 4096, "torch_dtype": "float16"}',
+     "cfg.json:1: torch_dtype (dtype) = 'float16'"),
+    ("serve.sh", "vllm serve m --dtype float16\n", "serve.sh:1: --dtype (dtype) = 'float16'"),
+    ("model.py", "def build(head_dim: int = 112):\n    pass\n", "model.py:1: head_dim = 112"),
+    ("model.py", "x = 1\nhead_dim = 7168 // 64\n", "model.py:2: head_dim = 112"),
+    ("spec.yaml", "proposal_methods:\n  - proposal_type: greedy\n    speculative_tokens: 5\n",
+     "spec.yaml:3: speculative_tokens (num_speculative_tokens) = 5"),
+    ("Makefile", "serve:\n\tvllm serve m --num-speculative-tokens=7\n",
+     "Makefile:2: --num-speculative-tokens (num_speculative_tokens) = 7"),
+    ("bench/b.py", "head_dim = 112\n", "bench/b.py:1: head_dim = 112"),
+    ("serve.py", 'ap.add_argument("--head-dim", type=int, default=96)\n',
+     "serve.py:1: --head-dim (head_dim) = 96"),
+    ("cfg.json", '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}',
+     "cfg.json:1: rope_scaling = an object"),
+    ("cfg.json", '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}',
+     "cfg.json:1: rope_type = 'yarn'"),
+    ("hf.py", "cfg.headDim = 96\n", "hf.py:1: headDim (head_dim) = 96"),
+    ("hf.py", 'config["head_dim"] = 96\n', "hf.py:1: head_dim = 96"),
+    ("Dockerfile", "FROM x\nENV HEAD_DIM=96\n", "Dockerfile:2: HEAD_DIM (head_dim) = 96"),
+    ("pyproject.toml", "[tool.draft]\nnum_key_value_heads = 8\n",
+     "pyproject.toml:2: num_key_value_heads = 8"),
+    ("bad.ipynb", "{\n  not json\n", "bad.ipynb:2: not a valid notebook"),
+]
+
+
+@pytest.mark.parametrize("rel,text,problem", STALE, ids=[f"{i}-{c[0]}" for i, c in
+                                                         enumerate(STALE)])
+def test_scan_names_file_line_and_key(tmp_path, rel, text, problem):
+    rc, out, err = cli_scan(git_repo(tmp_path / "repo", {rel: text}))
+    assert rc == 1
+    found = [line.strip()[2:] for line in err.splitlines() if line.startswith("  - ")]
+    assert any(f.startswith(problem) for f in found), err
+    if "not a valid notebook" not in problem:
+        assert all("params and the rendered configs say" in f and "fix: " in f for f in found)
+
+
+def test_scan_message_names_params_value_and_fix(tmp_path):
+    rc, _, err = cli_scan(git_repo(tmp_path / "repo", {"serve.sh": "vllm serve m "
+                                                       "--num-speculative-tokens 5\n"}))
+    assert rc == 1
+    assert "serve.sh:1: --num-speculative-tokens (num_speculative_tokens) = 5 written by hand, " \
+           f"but params and the rendered configs say 3 ({ROOT / 'params.yaml'} " \
+           "draft.num_speculative_tokens); fix: derive it from params.yaml or read it from " \
+           "configs/; a deliberate difference gets a `check: ignore` comment" in err, err
+
+
+CLEAN = {
+    "tpl.sh": "vllm serve m --dtype \"${DTYPE}\" --head-dim \"$HD\"\n",
+    "ok.sh": "vllm serve m --speculative-config '{\"method\":\"eagle3\","
+             "\"num_speculative_tokens\":3}' --head-dim 128 --dtype auto /models/x\n"
+             "python x.py --head-dim 128 /data/out 2>&1\n",
+    "exp.sh": "dvc exp run -S draft.head_dim=112\n"
+              "make exp SET=\"draft.num_speculative_tokens=5\"\n",
+    "replay.py": "head_dim = 112  # check: ignore (the original bug, replayed)\n",
+    "capture.py": 'SPEC = {"method": "extract_hidden_states", "num_speculative_tokens": 1}\n',
+    "docs/x.md": "Prose: head_dim = 112 outside a code block.\n\n"
+                 "<!-- check: ignore (replays the bug) -->\n```\nhead_dim: 112\n```\n"
+                 "```python\nhead_dim = 128\n```\n",
+    "code.py": "import torch\nids = torch.zeros(3, dtype=torch.long)\n"
+               "head_dim = hidden // heads\nrope_theta = 1e4\nrms_norm_eps = 1.0e-06\n"
+               "def f(dtype: str = \"bfloat16\", head_dim: int = 128):\n    pass\n"
+               "x = dict(head_dim=head_dim * 2)\nhead_dim = 64 * scale\nnum_hidden_layers = 1\n"
+               "cfg = {\"rope_scaling\": None, \"norm_before_residual\": True}\n"
+               "aux_layer_ids = (1, 2, 3)\nvocab_size = 4096\nhead_dim = 256 // 2\n",
+    "cfg.yaml": "aux_layer_ids: [1, 2, 3]\nhidden_act: silu\ndtype: bfloat16\n",
+    "configs/vllm/config.json": '{"head_dim": 112}',      # generated
+    "metrics/m.json": '{"head_dim": 112}',                # generated
+    "tests/test_x.py": "head_dim = 32\n",                  # fixture
+    "examples/k/reference.json": '{"head_dim": 112}',     # fixture
+    "sub/params.yaml": "draft:\n  head_dim: 96\n",         # a params file: a source
+    "nb.ipynb": notebook(("code", ["head_dim = 128\n"])),
+    "msg.py": "print(f\"rope_scaling={rs} head_dim={arch.head_dim} \"\n"
+              "      f\"{r['hidden_size']:6d}\")\n",
+}
+
+
+def test_scan_clean_cases(tmp_path):
+    rc, out, err = cli_scan(git_repo(tmp_path / "repo", CLEAN))
+    assert rc == 0, err
+    assert "hand-written architecture and serving values: none contradict params.yaml" in out
+
+
+def test_scan_reads_only_tracked_files(tmp_path):
+    repo = git_repo(tmp_path / "repo", {"a.py": "x = 1\n"})
+    (repo / "untracked.py").write_text("head_dim = 112\n")
+    assert cli_scan(repo)[0] == 0
+
+
+def test_scan_keys_cover_every_field_consumers_read():
+    from dataclasses import fields as dc_fields
+
+    names = set(S.SCAN_KEYS) | {a for al in S.SCAN_KEYS.values() for a in al} | \
+        set(S.NOT_SCANNED)
+    read = {k.split(".")[-1] for k in R.VLLM_READS} | {f.name for f in dc_fields(A.DraftArch)}
+    assert read <= names, read - names
+
+
+def test_repository_scans_clean_and_fast():
+    import time
+
     params = P.load(ROOT / "params.yaml")
-    problems = C.scan_constants(repo, params, {"hidden_size": 256, "vocab_size": 4096})
-    assert any(p.startswith("scripts/old.py:2: head_dim = 112") for p in problems), problems
-    assert any(p.startswith("draft_config.json:2: head_dim = 112") for p in problems)
-    assert not any("ok.py" in p or "configs/" in p or "hidden_size" in p for p in problems)
+    files = R.render_files(params.draft, params.verifier.path,
+                           ROOT / "configs/verifier_config.json")
+    t = time.perf_counter()
+    problems = S.scan_constants(ROOT, params, files)
+    assert time.perf_counter() - t < 2.0
+    assert problems == [], "\n".join(problems)
 
 
-def test_repository_has_no_stale_constants():
-    params = P.load(ROOT / "params.yaml")
-    vcfg = read_config(ROOT / "configs/verifier_config.json")[1] \
-        if (ROOT / "configs/verifier_config.json").exists() else None
-    assert C.scan_constants(ROOT, params, vcfg) == []
+def test_subprocess_exit_code_and_no_traceback(tmp_path):
+    """The issue's two misses, through the installed command line in its own process."""
+    import sys
+
+    repo = git_repo(tmp_path / "repo", {"serve.sh": (
+        "vllm serve m --speculative-config '{\"method\":\"eagle3\",\"num_speculative_tokens\":5}'"
+        "\nvllm serve m --head-dim 96\n")})
+    r = subprocess.run([sys.executable, "-m", "eagle3pipe.cli", "check", "--params",
+                        str(ROOT / "params.yaml"), "--verifier-config", str(VCFG),
+                        "--no-configs", "--root", str(repo)], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
+    assert "serve.sh:1: num_speculative_tokens = 5" in r.stderr
+    assert "serve.sh:2: --head-dim (head_dim) = 96" in r.stderr

@@ -7,11 +7,14 @@ config (formats.read_config_file: no field defaulted) and, where the config's fi
 a reference architecture (params.yaml, or the config being exported), with the reference's too;
 each wrong shape is explained by the config fields it comes from. This includes what vLLM
 silently accepts: weights wider than head_dim x heads (vLLM's loader narrows them), a missing
-fc.weight (left uninitialised), a d2t that does not map onto t2d (an all-zero d2t loads).
+fc.weight (left uninitialised), a d2t that does not map onto t2d (an all-zero d2t loads), a NaN
+or Inf weight (check_finite reads every floating tensor). A malformed or truncated safetensors
+file is a CheckpointError naming the file, not a traceback.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +23,7 @@ from eagle3pipe import arch as A
 from eagle3pipe import formats
 from eagle3pipe.errors import Error
 
+FIX = "write the checkpoint again (rerun `dvc repro export`), or copy it again whole"
 CONFIG_FIX = ("state every field explicitly (consumers' defaults differ); a draft this "
               "pipeline exported: rerun `dvc repro export`")
 
@@ -30,16 +34,29 @@ class CheckpointError(Error, ValueError):
 
 def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor: (dtype, shape)} from a safetensors header, without loading a tensor (only the
-    header is read, whatever the file's size): 8 bytes little-endian header length, then JSON."""
+    header is read, whatever the file's size): 8 bytes little-endian header length, then JSON
+    whose entries' data_offsets must lie inside the file (a truncated file is an error)."""
+    size = Path(path).stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)", FIX)
         (n,) = struct.unpack("<Q", head)
-        if n > 100 * 2**20:
-            raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
-        meta = json.loads(fh.read(n))
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in meta.items() if k != "__metadata__"}
+        if n > min(100 * 2**20, size - 8):
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file "
+                                  f"size {size})", FIX)
+        try:
+            meta = json.loads(fh.read(n))
+            out = {k: (v["dtype"], tuple(v["shape"])) for k, v in meta.items()
+                   if k != "__metadata__"}
+            end = max([v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"],
+                      default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file (header: {e!r})", FIX) from None
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: truncated: its header puts tensor data up to byte "
+                              f"{8 + n + end}, the file has {size}", FIX)
+    return out
 
 
 def checkpoint_tensors(ckpt: str | Path) -> dict[str, tuple[str, tuple[int, ...], Path]]:
@@ -122,13 +139,64 @@ def check_vocab_map(ckpt: Path, tensors: dict, arch: A.DraftArch) -> list[str]:
             f"exactly the ids t2d marks, in order); {detail}"]
 
 
+ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # floating
+CHUNK_BYTES = 256 * 2**20  # how much of a tensor check_finite holds at once
+
+
+def _nonfinite(fh, name: str, shape: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """(NaN count, ±Inf count) of one tensor, read in slices of its first dimension (float8
+    slices are widened to float32 to be tested)."""
+    import torch
+
+    parts = [fh.get_tensor(name)] if not shape else None
+    if parts is None:
+        step, sl = max(1, CHUNK_BYTES // (itemsize * max(1, math.prod(shape[1:])))), \
+            fh.get_slice(name)
+        parts = (sl[i:i + step] for i in range(0, shape[0], step))
+    nan = inf = 0
+    for t in parts:
+        t = t.float() if itemsize == 1 else t
+        nan, inf = nan + int(torch.isnan(t).sum()), inf + int(torch.isinf(t).sum())
+    return nan, inf
+
+
+def check_finite(tensors: dict) -> list[str]:
+    """Every floating tensor of {name: (dtype, shape, file)} is finite: a NaN or Inf weight
+    loads into vLLM without an error and makes every draft token garbage. Read tensor by
+    tensor with safetensors.safe_open, each in slices of at most CHUNK_BYTES; integer and bool
+    tensors (d2t, t2d) cannot hold NaN (check_vocab_map checks them)."""
+    from safetensors import SafetensorError, safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, (dt, _, f) in sorted(tensors.items()):
+        if dt in ITEMSIZE:
+            by_file.setdefault(f, []).append(name)
+    problems = []
+    for f, names in by_file.items():
+        try:
+            with safe_open(f, "pt") as fh:
+                for name in names:
+                    dt, shape = tensors[name][:2]
+                    nan, inf = _nonfinite(fh, name, shape, ITEMSIZE[dt])
+                    if nan or inf:
+                        problems.append(
+                            f"{f}: tensor {name} has {nan + inf} non-finite values of "
+                            f"{math.prod(shape)} ({nan} NaN, {inf} Inf); vLLM loads it without "
+                            "an error and the draft proposes garbage: retrain (did the loss "
+                            "diverge?) or export again")
+        except SafetensorError as e:
+            problems.append(f"{f}: safetensors cannot read it ({e}); {FIX}")
+    return problems
+
+
 def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None, *,
                      against: str = "params.yaml", dtype: str | None = None) -> list[str]:
     """Every problem of a draft checkpoint dir: its config (every field present), its tensors vs
     that config's contract, the config's fields vs `reference` (the architecture `against`
     describes; dtype is not compared: the trained checkpoint is float32) and, where they differ,
-    the tensors vs the reference's contract; d2t vs t2d. `dtype`: the weights' dtype where the
-    config states none (formats.parse_speculators)."""
+    the tensors vs the reference's contract; d2t vs t2d; every floating tensor finite
+    (check_finite). `dtype`: the weights' dtype where the config states none
+    (formats.parse_speculators)."""
     ckpt = Path(ckpt_dir)
     cfg_path = ckpt / "config.json"
     try:
@@ -147,4 +215,4 @@ def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None,
         if diffs:
             problems += check_tensors(tensors, replace(reference, dtype=arch.dtype), layout,
                                       where, against)
-    return problems + check_vocab_map(ckpt, tensors, arch)
+    return problems + check_vocab_map(ckpt, tensors, arch) + check_finite(tensors)

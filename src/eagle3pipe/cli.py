@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 from eagle3pipe import check as C
+from eagle3pipe import scan as S
 from eagle3pipe import formats as R
 from eagle3pipe import params as P
 from eagle3pipe.arch import derive
 from eagle3pipe.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import read_json_object
-from eagle3pipe.verifier import VerifierInfo, read_config
+from eagle3pipe.verifier import VerifierInfo
 
 
 def _load(args) -> tuple[P.Params, Path]:
@@ -30,6 +31,22 @@ def cmd_render(args) -> int:
     for path, state in states.items():
         print(f"{path}: {state}")
     return 0
+
+
+def _reference(args, files: dict[str, str], verifier_num_layers: int) -> list[str]:
+    """Prints the field-by-field comparison with a published flat config; its problems."""
+    ref = read_json_object(args.reference, R.ConfigError,
+                           "pass a published flat EAGLE-3 config.json", "reference config")
+    rows, found = C.compare_reference(json.loads(files["vllm/config.json"]), ref,
+                                      verifier_num_layers=verifier_num_layers)
+    print(f"reference {args.reference}:")
+    for r in rows:
+        mark = "  " if r["same"] else ("!!" if r["vllm_reads"] else " ~")
+        who = "vLLM reads" if r["vllm_reads"] else "ignored   "
+        theirs = f"reference omits it: vLLM uses {r['reference']!r} ({r['source']})" \
+            if r["omitted"] else f"reference={r['reference']!r}"
+        print(f"  {mark} {who} {r['field']:<48} ours={r['ours']!r:<22} {theirs}")
+    return [f"{args.reference}: {p}" for p in found]
 
 
 def cmd_check(args) -> int:
@@ -49,19 +66,11 @@ def cmd_check(args) -> int:
         print(f"checkpoint {ckpt}: {'OK' if not found else f'{len(found)} problem(s)'}")
         problems += found
     if args.reference:
-        ref = read_json_object(args.reference, R.ConfigError,
-                               "pass a published flat EAGLE-3 config.json", "reference config")
-        rows, found = C.compare_reference(json.loads(files["vllm/config.json"]), ref)
-        print(f"reference {args.reference}:")
-        for r in rows:
-            mark = "  " if r["same"] else ("!!" if r["vllm_reads"] else " ~")
-            who = "vLLM reads" if r["vllm_reads"] else "ignored   "
-            print(f"  {mark} {who} {r['field']:<48} ours={r['ours']!r:<22} "
-                  f"reference={r['reference']!r}")
-        problems += [f"{args.reference}: {p}" for p in found]
+        problems += _reference(args, files, arch.verifier_num_layers)
     if not args.no_scan:
-        found = C.scan_constants(args.root, params, read_config(vcfg)[1])
-        print(f"hand-written architecture constants: {'none contradict params.yaml' if not found else len(found)}")
+        found = S.scan_constants(args.root, params, files, params_file=args.params)
+        print("hand-written architecture and serving values: "
+              f"{'none contradict params.yaml' if not found else len(found)}")
         problems += found
     if problems:
         print(f"\n{len(problems)} problem(s):", file=sys.stderr)

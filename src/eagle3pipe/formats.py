@@ -41,7 +41,8 @@ VLLM_READS = {
     "tie_word_embeddings": False,
     "eagle_config.eagle_aux_hidden_state_layer_ids": None,
     "eagle_config.use_aux_hidden_state": True,
-    "norm_before_residual": False,  # vLLM's default; speculators' path differs: never rely on it
+    # vLLM's default; speculators' path differs: never rely on it
+    "norm_before_residual": False,  # check: ignore (vLLM's fallback, not the draft's value)
     "target_hidden_size": "=hidden_size",
 }
 

@@ -66,7 +66,8 @@ def changed_configs(params: P.Params, key: str, verifier_config: Path) -> set[st
         elif leaf == "hidden_size":
             return set()  # optional: any value but the verifier's is refused
         elif leaf == "rope_scaling":
-            new = {"rope_type": "linear", "factor": 2.0} if value is None else None
+            new = {"rope_type": "linear",  # check: ignore (a probe value, never rendered)
+                   "factor": 2.0} if value is None else None
         elif leaf == "hidden_act":
             return {f"configs/{f}" for f in base if f not in ("capture.json", "verifier_config.json")}
         elif leaf == "dtype":

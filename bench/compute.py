@@ -21,10 +21,29 @@ from common import (interleave, log, random_verifier, rnd, speed_ratio, speed_ra
 
 
 def _batches(samples, batch_size: int, pad_id: int):
-    """The padded batches eagle3pipe.extract.extract_split forms (its own padded_batches)."""
-    from eagle3pipe.extract import padded_batches
+    """The padded batches the transformers extractor runs (eagle3pipe.capture.padded_batches)."""
+    from eagle3pipe.capture import padded_batches
 
     return [(ids, mask) for _, _, ids, mask in padded_batches(samples, batch_size, pad_id)]
+
+
+def tf_states(model, samples, aux_ids, batch_size: int, pad_id: int = 0):
+    """(index, hidden states) of every sample from the transformers extractor (the stage's
+    oracle; the stage itself captures with vLLM), for extract.write_split."""
+    from eagle3pipe.capture import padded_batches, tf_capture
+
+    for batch, lens, ids, mask in padded_batches(samples, batch_size, pad_id):
+        states = tf_capture(model, ids, mask, aux_ids)
+        for r, (i, n) in enumerate(zip(batch, lens)):
+            yield i, states[r, :n]
+
+
+def write_split(model, samples, aux_ids, out: Path, dtype, batch_size: int, pad_id: int = 0):
+    """The stage's writer (extract.write_split) fed by the transformers extractor."""
+    from eagle3pipe import extract as X
+
+    X.write_split(out, samples, tf_states(model, samples, aux_ids, batch_size, pad_id), dtype,
+                  progress=False)
 
 
 def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size: int = 8,
@@ -35,14 +54,16 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
       forward  bare decoder forward, `model.model(input_ids, attention_mask)`, no hooks: the
                floor (the least any extractor must compute; the lm_head is not needed)
       forward_lm_head  the plain `model(...)` CausalLM forward (decoder + lm_head), for context
-      capture  eagle3pipe.extract.capture on the same batches (hooks + stacking the slots)
-      split    eagle3pipe.extract.extract_split: batching, capture, casting, one safetensors file
-               per sample and the datasets table (what the stage does per split)
+      capture  eagle3pipe.capture.tf_capture on the same batches (hooks + stacking the slots)
+      split    eagle3pipe.extract.write_split fed by that capture: batching, casting, one
+               safetensors file per sample and the datasets table (what the stage writes)
       stage    split + validate_split (the stage reads every file back before publishing)"""
     from eagle3pipe import extract as X
 
     torch_dtype = X.DTYPES[dtype]
-    base, _, _ = X._decoder(model)  # noqa: SLF001
+    from eagle3pipe.capture import tf_capture, tf_decoder
+
+    base, _, _ = tf_decoder(model)
     cfg = model.config
     pad_id = cfg.pad_token_id if isinstance(getattr(cfg, "pad_token_id", None), int) else 0
     batches = _batches(samples, batch_size, pad_id)
@@ -63,14 +84,13 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
 
     def capture():
         for ids, mask in batches:
-            X.capture(model, ids, mask, aux_ids)
+            tf_capture(model, ids, mask, aux_ids)
 
     def split(validate: bool = False):
         out = work / ("stage" if validate else "split")
         shutil.rmtree(out, ignore_errors=True)  # not timed
         t0 = time.perf_counter()
-        X.extract_split(model, samples, aux_ids, out, torch_dtype, batch_size, pad_id=pad_id,
-                        progress=False)
+        write_split(model, samples, aux_ids, out, torch_dtype, batch_size, pad_id=pad_id)
         if validate:
             X.validate_split(out, samples, num_slots, H, torch_dtype)
         return time.perf_counter() - t0
@@ -110,7 +130,7 @@ def write_datapath(model, samples, aux_ids, out: Path, dtype: str = "bfloat16") 
     from eagle3pipe import extract as X
 
     shutil.rmtree(out, ignore_errors=True)
-    X.extract_split(model, samples, aux_ids, out, X.DTYPES[dtype], 8, progress=False)
+    write_split(model, samples, aux_ids, out, X.DTYPES[dtype], 8)
     return out
 
 
@@ -244,12 +264,13 @@ def bench_scaling(work: Path, draft_params, *, hiddens, seq_lens, vocab: int, to
     """Extraction and draft-training throughput of random-init verifiers of the embedded family
     at each (hidden size, sequence length): samples of length in [3/4 L, L], `tokens` tokens per
     extraction point, `n_packs` packs of `batch_tokens` per training point."""
-    from eagle3pipe import extract as X
+    from eagle3pipe.capture import tf_load
+    from eagle3pipe.verifier import Verifier
 
     rows = []
     for H in hiddens:
         vdir = random_verifier(work / f"verifier_h{H}", hidden=H, vocab=vocab)
-        model = X.load_verifier(vdir)
+        model = tf_load(Verifier(vdir))
         aux = [1, 2, 3]
         for L in seq_lens:
             log(f"scaling: hidden {H}, seq_len {L}")

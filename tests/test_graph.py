@@ -62,3 +62,11 @@ def test_invalidation_table_rows():
     assert t["train.nproc_per_node"] == ["train", "export", "smoke"]
     assert "configs" not in t["verifier.embedded.train_steps"]
     assert "configs" in t["verifier.embedded.hidden_size"]
+
+
+def test_docs_show_the_generated_table():
+    """docs/invalidation.md holds `python -m eagle3pipe.graph`'s output as it is now."""
+    t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "params.yaml")
+    table = graph.markdown(t, list(graph.load_stages(ROOT / "dvc.yaml")))
+    assert table in (ROOT / "docs/invalidation.md").read_text(), \
+        "regenerate it: python -m eagle3pipe.graph"

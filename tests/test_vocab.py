@@ -70,11 +70,16 @@ def test_build_writes_deterministic_files(tmp_path):
     f = write_samples(tmp_path / "train.jsonl", samples)
     st = vocab.build(f, 16, 100, tmp_path / "a", progress=False)
     vocab.build(f, 16, 100, tmp_path / "b", progress=False)
-    for name in ("vocab_map.safetensors", "stats.json"):
+    for name in ("vocab_map.safetensors", "stats.json", "d2t.npy", "t2d.npy"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     d2t, t2d = vocab.load(tmp_path / "a")
     assert targets(d2t) == torch.nonzero(t2d).flatten().tolist()
     assert json.loads((tmp_path / "a/stats.json").read_text()) == st
+    # the names and format `speculators train --d2t-path/--t2d-path` reads, with its own loader
+    from speculators.train.cli import _load_mappings
+
+    d, t, n = _load_mappings(tmp_path / "a/d2t.npy", tmp_path / "a/t2d.npy", 16)
+    assert torch.equal(d, d2t) and torch.equal(t, t2d) and n == 16
 
 
 def test_draft_vocab_larger_than_vocab_refused(tmp_path):

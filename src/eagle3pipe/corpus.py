@@ -49,18 +49,6 @@ def files(part: str, root: Path | None = None) -> list[Path]:
     return [root / r for r in stdlib_files(root) if part_of(r) == part]
 
 
-def read_text(part: str, root: Path | None = None, max_chars: int | None = None) -> str:
-    chunks, total = [], 0
-    for p in files(part, root):
-        t = p.read_text(encoding="utf-8", errors="replace")
-        chunks.append(t)
-        total += len(t)
-        if max_chars and total >= max_chars:
-            break
-    text = "\n".join(chunks)
-    return text[:max_chars] if max_chars else text
-
-
 def snippets(part: str, n: int, *, seed: int, min_lines: int = 4, max_lines: int = 12,
              max_chars: int = 600, root: Path | None = None) -> list[str]:
     """n deterministic code snippets (runs of consecutive non-blank-started lines) of a part."""

@@ -337,7 +337,7 @@ def oracle_check(v: Verifier, samples: list[Sample], engine_states: dict[int, to
     del model
     names = slot_names(aux)
     out = {"samples": n, "tolerance": e.oracle_tolerance,
-           "max_rel_error": {name: round(w, 4) for name, w in zip(names, worst)}}
+           "max_rel_error": {name: float(f"{w:.2g}") for name, w in zip(names, worst)}}
     bad = [(name, w) for name, w in zip(names, worst) if w > e.oracle_tolerance]
     if bad:
         raise ExtractError(
@@ -362,7 +362,7 @@ def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, set
     total = tree_bytes(out_dir)
     elem = torch.tensor([], dtype=DTYPES[e.dtype]).element_size()
     return {
-        "engine": "vllm", **{k: numeric(settings)[k] for k in ("tensor_parallel_size",)},
+        "engine": "vllm", "tensor_parallel_size": settings["tensor_parallel_size"],
         "engine_settings": numeric(settings),
         "samples": sum(c["samples"] for c in counts.values()),
         "tokens": tokens,

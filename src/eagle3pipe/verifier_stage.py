@@ -45,7 +45,8 @@ COPY_LIMIT = 64 * 1024 * 1024
 
 
 def build(vp, out_dir: str | Path, *, draft=None, params_file: str = "params.yaml",
-        lines: dict | None = None, base_dir: str | Path = ".", progress: bool = True) -> dict:
+          lines: dict | None = None, base_dir: str | Path = ".", progress: bool = True,
+          tp: int = 1) -> dict:
     """Runs the verifier stage into out_dir (atomically) and returns its metrics.
 
     vp: the params' `verifier` section (a params.StageView or VerifierParams).
@@ -55,20 +56,30 @@ def build(vp, out_dir: str | Path, *, draft=None, params_file: str = "params.yam
     """
     if vp.path is None:
         return _run_embedded(vp.embedded, out_dir, draft=draft, params_file=params_file,
-                             lines=lines, progress=progress)
+                             lines=lines, progress=progress, tp=tp)
     return _run_path(Path(base_dir), vp.path, vp.hash_mode, out_dir, draft=draft,
-                     params_file=params_file, lines=lines, progress=progress)
+                     params_file=params_file, lines=lines, progress=progress, tp=tp)
 
 
 def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
-                lines: dict | None = None):
-    """arch.derive's cross-checks of the draft params against a verifier (raises ArchError)."""
+                lines: dict | None = None, tp: int = 1):
+    """arch.derive's cross-checks of the draft params against a verifier (raises ArchError),
+    and the verifier's heads against vllm.tensor_parallel_size `tp` (vLLM shards them over the
+    ranks; it would refuse only after loading the weights)."""
     from eagle3pipe import arch
+    from eagle3pipe.params import Problem
 
+    heads = info.num_attention_heads
+    if isinstance(heads, int) and heads % tp:
+        key = "vllm.tensor_parallel_size"
+        raise arch.ArchError([Problem(params_file, (lines or {}).get(key), key,
+                                      f"{tp} does not divide the verifier's "
+                                      f"num_attention_heads {heads} ({info.source})",
+                                      "pick a tensor_parallel_size that divides it")])
     return arch.derive(draft, info, params_file=params_file, lines=lines)
 
 
-def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
+def _run_embedded(e, out_dir, *, draft, params_file, lines, progress, tp) -> dict:
     if draft is not None:  # fail before building anything
         planned = VerifierInfo(
             source=f"{params_file} verifier.embedded (the embedded verifier to be built)",
@@ -76,7 +87,7 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
             vocab_size=e.tokenizer_vocab_size, num_attention_heads=e.num_attention_heads,
             bos_token_id=None, eos_token_id=None, model_type="llama",
             architectures=("LlamaForCausalLM",))
-        check_draft(draft, planned, params_file=params_file, lines=lines)
+        check_draft(draft, planned, params_file=params_file, lines=lines, tp=tp)
     from eagle3pipe import embedded  # imports torch: after the check
 
     t0 = time.perf_counter()
@@ -84,7 +95,7 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
         metrics = embedded.build(e, tmp, progress=progress)
         info = VerifierInfo.from_config(tmp / "config.json")
         if draft is not None:
-            check_draft(draft, info, params_file=params_file, lines=lines)
+            check_draft(draft, info, params_file=params_file, lines=lines, tp=tp)
         body = fp.fingerprint(tmp, "full", progress=False)
         manifest = {"mode": "embedded", "path": None, **{k: body[k] for k in ("files",
                                                                              "n_files",
@@ -98,7 +109,7 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress) -> dict:
 
 
 def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_file, lines,
-              progress) -> dict:
+              progress, tp) -> dict:
     src = (base_dir / Path(path).expanduser()).resolve()
     if not src.is_dir():
         raise VerifierError(f"{params_file}: verifier.path: {path!r} ({src}) is not a directory"
@@ -106,7 +117,7 @@ def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_fi
                             "holding config.json), or set it to null for the embedded verifier")
     info = VerifierInfo.from_config(src / "config.json")  # decoder-only, hidden/layers/vocab
     if draft is not None:
-        check_draft(draft, info, params_file=params_file, lines=lines)
+        check_draft(draft, info, params_file=params_file, lines=lines, tp=tp)
     body, seconds = fp.timed_fingerprint(src, mode, progress=progress)
     log.info("%s-mode fingerprint of %s took %.3f s", mode, src, seconds)
     weights = [n for n in body["files"] if fp.kind_of(n) != "other"]
@@ -140,11 +151,13 @@ def _sha256(p: Path) -> str:
 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): params.verifier -> paths.out; returns the metrics.
-    The `draft` section is read for VALIDATION ONLY (for_validation): an impossible pairing
-    fails here, before anything is written; the configs stage, which declares it, repeats it."""
+    The `draft` section and vllm.tensor_parallel_size are read for VALIDATION ONLY
+    (for_validation): an impossible pairing fails here, before anything is written; the stages
+    that declare them repeat the checks."""
     m = build(params.verifier, paths.out, draft=params.for_validation("draft"),
               params_file=params.params_file, lines=params.key_lines, base_dir=Path.cwd(),
-              progress=paths.progress)
+              progress=paths.progress,
+              tp=params.for_validation("vllm").tensor_parallel_size)
     log.info("wrote %s (%s)", paths.out,
              ", ".join(f"{k}={m[k]}" for k in ("mode", "n_files", "total_bytes")))
     return m

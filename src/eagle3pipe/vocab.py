@@ -90,10 +90,16 @@ def stats(counts: dict[int, int], d2t: torch.Tensor, samples: int) -> dict:
 
 
 def save(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, st: dict) -> None:
+    """vocab_map.safetensors (what train and export read), the same tensors as the .npy files
+    `speculators train --d2t-path d2t.npy --t2d-path t2d.npy` loads (speculators/train/cli.py
+    `_load_mappings`: np.load, then torch.from_numpy), and stats.json."""
+    import numpy as np
     from safetensors.torch import save_file
 
     with atomic_dir(out_dir) as tmp:
         save_file({"d2t": d2t, "t2d": t2d}, str(tmp / MAP_FILE))
+        for name, t in (("d2t", d2t), ("t2d", t2d)):
+            np.save(tmp / f"{name}.npy", t.numpy(), allow_pickle=False)
         write_json(tmp / "stats.json", st)
 
 

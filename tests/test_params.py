@@ -92,6 +92,8 @@ CASES = [
           "vllm.gpu_memory_utilization", r"\(0, 1\]"),
     _case("  dtype: float32", "  dtype: auto", "vllm.dtype", "not one of"),
     _case("  nproc_per_node: 1", "  nproc_per_node: 0", "train.nproc_per_node", ">="),
+    _case("  num_samples: 288", "  num_samples: 1", "dataset.num_samples",
+          "cannot fill both a train and an eval split"),
     _case("    threads: 2", "    threads: 0", "verifier.embedded.threads", ">="),
     _case("    seed: 0", "    seed: -1", "verifier.embedded.seed", ">="),
 ]

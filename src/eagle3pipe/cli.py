@@ -1,4 +1,4 @@
-"""Command line: `eagle3pipe render` and `eagle3pipe check` (no DVC involved)."""
+"""Command line: `eagle3pipe render`, `check` and `plan` (no DVC involved)."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +81,16 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from eagle3pipe import plan
+
+    params, vcfg = _load(args)
+    p = plan.build(params, vcfg, gpu=args.gpu, device_gib=args.device_gib,
+                   artifacts=args.artifacts)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else plan.render(p))
+    return 1 if p.problems else 0
+
+
 def cmd_deps(args) -> int:
     from eagle3pipe import deps
 
@@ -112,11 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("deps", help="dvc.yaml's code deps vs each stage's import closure")
     d.add_argument("--dvc-yaml", default="dvc.yaml")
     d.add_argument("--write", action="store_true", help="rewrite the stale entries in place")
+    pl = sub.add_parser("plan", parents=[common], help="what each stage will run, hold and "
+                        "write, and what cannot work (exit 1 on problems)")
+    pl.add_argument("--json", action="store_true", help="the machine-readable form")
+    pl.add_argument("--device-gib", type=float, default=80.0, help="one GPU's memory (GiB)")
+    pl.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
+                    help="plan for the GPU path (default: whether torch sees a GPU)")
+    pl.add_argument("--artifacts", default="artifacts", help="where the stages write")
     args = ap.parse_args(argv)
     if args.cmd == "deps":
         return cmd_deps(args)
     try:
-        return cmd_render(args) if args.cmd == "render" else cmd_check(args)
+        return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan}[args.cmd](args)
     except Error as e:
         print(f"eagle3pipe {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -361,6 +361,11 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
         raise DatasetError(f"{report.source}: no usable conversation among {report.read} read "
                            f"(skipped: {reasons or 'none'}); fix the input (see the warnings "
                            "above) or point dataset.source at another file")
+    if cfg.eval_fraction > 0 and len(prompts) < 2:  # split() would leave eval empty
+        raise DatasetError(f"{report.source}: {len(prompts)} usable conversation(s); "
+                           f"dataset.eval_fraction {cfg.eval_fraction} needs at least 2 (one "
+                           "train, one eval)", fix=f"raise dataset.num_samples "
+                           f"({where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
     log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
     replies, finish, timing = generate(v, prompts, cfg, settings, progress=progress)

@@ -453,6 +453,11 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 "smoke.ngram_prompt_lookup_min",
                                 "is larger than smoke.ngram_prompt_lookup_max",
                                 "make min <= max"))
+    if p.dataset.eval_fraction > 0 and p.dataset.num_samples < 2:
+        problems.append(Problem(file, lines.get("dataset.num_samples"), "dataset.num_samples",
+                                f"{p.dataset.num_samples} sample cannot fill both a train and an "
+                                f"eval split (dataset.eval_fraction {p.dataset.eval_fraction})",
+                                "use at least 2, or dataset.eval_fraction: 0"))
     if not 0.0 <= p.dataset.eval_fraction < 1.0:
         problems.append(Problem(file, lines.get("dataset.eval_fraction"), "dataset.eval_fraction",
                                 f"must be in [0, 1), got {p.dataset.eval_fraction}",

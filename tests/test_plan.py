@@ -1,0 +1,148 @@
+"""`eagle3pipe plan`: figures checked against the hand formula and arch.contract, the problems
+it finds, and its exit codes. No model is loaded and no engine started."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import shutil
+import struct
+
+import pytest
+
+from eagle3pipe import arch as A
+from eagle3pipe import cli
+from eagle3pipe import params as P
+from eagle3pipe import plan
+from eagle3pipe.verifier import VerifierInfo
+
+from conftest import ROOT
+
+DEFAULT = ROOT / "params.yaml"
+DEFAULT_VERIFIER = ROOT / "configs/verifier_config.json"
+KIMI = ROOT / "examples/kimi-k2.5/params.yaml"
+KIMI_VERIFIER = ROOT / "examples/kimi-k2.5/verifier/config.json"
+Usage = collections.namedtuple("Usage", "total used free")
+
+
+@pytest.fixture(autouse=True)
+def roomy_disk(monkeypatch):
+    """Free disk is this test's choice, not the machine's."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 ** 16, 0, 10 ** 16))
+
+
+def replace(params: P.Params, section: str, **values) -> P.Params:
+    return dataclasses.replace(params, **{
+        section: dataclasses.replace(getattr(params, section), **values)})
+
+
+@pytest.mark.parametrize("params_file, config, hidden", [(DEFAULT, DEFAULT_VERIFIER, 256),
+                                                          (KIMI, KIMI_VERIFIER, 7168)])
+def test_figures_match_the_hand_formula_and_the_contract(params_file, config, hidden):
+    params = P.load(params_file)
+    p = plan.build(params, config, gpu=True)
+    assert p.hidden_size == hidden
+    assert p.hidden_bytes_per_token == (3 + 1) * hidden * 2  # bf16
+    assert p.hidden_bytes_per_token == {256: 2048, 7168: 57344}[hidden]
+    arch = A.derive(params.draft, VerifierInfo.from_config(config))
+    specs = A.contract(arch, "speculators")
+    weights = [s for s in specs.values() if s.dtype == "BF16"]
+    assert p.draft_params == sum(math.prod(s.shape) for s in weights)
+    index_maps = specs["d2t"], specs["t2d"]
+    assert p.draft_bytes == 2 * p.draft_params + 8 * math.prod(index_maps[0].shape) \
+        + math.prod(index_maps[1].shape)
+    stages = {s.name: s for s in p.stages}
+    d = params.dataset
+    tokens = d.num_samples * (d.max_prompt_tokens + d.max_new_tokens)
+    assert stages["dataset"].tokens == stages["extract"].tokens == tokens
+    assert stages["extract"].disk_bytes >= tokens * p.hidden_bytes_per_token
+    assert stages["export"].disk_bytes == 2 * p.draft_bytes
+    assert stages["train"].disk_bytes > p.draft_bytes  # float32
+    assert stages["train"].processes == params.train.nproc_per_node
+    tp = params.vllm.tensor_parallel_size
+    assert stages["extract"].device_bytes >= p.verifier_weight_bytes // tp
+
+
+def test_hundred_million_kimi_tokens_are_5_7_tb():
+    params = replace(P.load(KIMI), "dataset", num_samples=390_625)  # x (128 + 128) = 100 M
+    p = plan.build(params, KIMI_VERIFIER, gpu=True)
+    extract = next(s for s in p.stages if s.name == "extract")
+    assert extract.tokens == 100_000_000
+    hidden = 100_000_000 * 57_344
+    assert plan.human(hidden) == "5.7 TB"
+    assert hidden <= extract.disk_bytes < hidden * 1.01
+    assert f"= {plan.human(hidden)}" in plan.render(p)
+
+
+def test_tp_not_dividing_heads_is_reported():
+    params = replace(P.load(DEFAULT), "vllm", tensor_parallel_size=3)
+    found = "\n".join(plan.build(params, DEFAULT_VERIFIER, gpu=True).problems)
+    assert "does not divide the verifier's num_attention_heads 4" in found
+    assert "does not divide draft.num_attention_heads 4" in found
+    kimi = replace(P.load(KIMI), "vllm", tensor_parallel_size=6)
+    found = "\n".join(plan.build(kimi, KIMI_VERIFIER, gpu=True).problems)
+    assert "vllm.tensor_parallel_size: 6 does not divide the verifier's num_attention_heads 64" \
+        in found
+
+
+def test_hidden_state_store_larger_than_free_disk(monkeypatch, tmp_path):
+    params = P.load(DEFAULT)
+    assert plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path).problems == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 ** 9, 0, 1000))
+    found = plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path / "a").problems
+    store = 288 * (128 + 128) * (2048 + 8 + 16)  # hidden states + token ids + Arrow rows
+    assert len(found) == 1 and f"dataset.num_samples: needs {plan.human(store)}" in found[0]
+    assert f"{tmp_path} has 1.0 kB free" in found[0] and "fix:" in found[0]
+    assert plan.disk_problem(999, tmp_path, "k") is None
+
+
+def test_machine_limits_cpu_vs_gpu():
+    kimi = P.load(KIMI)
+    cpu = "\n".join(plan.build(kimi, KIMI_VERIFIER, gpu=False).problems)
+    assert "vLLM's CPU build cannot run EAGLE-3" in cpu and "GPU path" in cpu
+    assert "train.device: cuda, but torch sees no GPU" in cpu
+    assert plan.build(kimi, KIMI_VERIFIER, gpu=True, device_gib=141).problems == []
+    small = "\n".join(plan.build(kimi, KIMI_VERIFIER, gpu=True, device_gib=8).problems)
+    assert "per GPU exceeds" in small and "train: the draft needs" in small
+
+
+def test_verifier_weights_from_safetensors_headers(tmp_path):
+    (tmp_path / "config.json").write_text(DEFAULT_VERIFIER.read_text())
+    header = json.dumps({"w": {"dtype": "F32", "shape": [10, 4], "data_offsets": [0, 160]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header
+                                                 + bytes(160))
+    p = plan.build(replace(P.load(DEFAULT), "vllm", dtype="bfloat16"), tmp_path, gpu=True)
+    assert p.verifier_params == 40 and p.verifier_weight_bytes == 80
+    assert "safetensors headers" in p.verifier_weights_from
+    estimate = plan.build(P.load(DEFAULT), DEFAULT_VERIFIER, gpu=True)
+    assert "estimated from config.json" in estimate.verifier_weights_from
+
+
+def test_moe_mla_and_quantized_estimates():
+    cfg = json.loads(KIMI_VERIFIER.read_text())
+    dense, how = plan.config_param_estimate(cfg)
+    assert "dense" in how and "far below" in how
+    moe = dict(cfg, n_routed_experts=384, moe_intermediate_size=2048, n_shared_experts=1,
+               first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+               qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    n, how = plan.config_param_estimate(moe)
+    assert 0.9e12 < n < 1.1e12 and "MoE (384 experts" in how and "MLA" in how
+    per_weight, assumption = plan._weight_bytes(
+        {"quant_method": "compressed-tensors",
+         "config_groups": {"g": {"weights": {"num_bits": 4}}}}, "bfloat16")
+    assert per_weight == 0.5 and "4-bit" in assumption
+
+
+def test_cli_exit_codes_and_json(tmp_path, capsys):
+    assert cli.main(["plan", "--params", str(DEFAULT), "--verifier-config",
+                     str(DEFAULT_VERIFIER), "--gpu"]) == 0
+    assert "problems: none" in capsys.readouterr().out
+    assert cli.main(["plan", "--params", str(KIMI), "--no-gpu", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hidden_bytes_per_token"] == 57344 and doc["problems"]
+    bad = tmp_path / "params.yaml"
+    bad.write_text(DEFAULT.read_text().replace("num_samples: 288", "num_samples: many"))
+    assert cli.main(["plan", "--params", str(bad)]) == 2
+    assert "dataset.num_samples: expected an integer" in capsys.readouterr().err

@@ -439,7 +439,7 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 f"{e.num_attention_heads} does not divide hidden_size "
                                 f"{e.hidden_size}; transformers' LlamaConfig rejects that",
                                 "pick a divisor of verifier.embedded.hidden_size"))
-    _check_engine(p, file, lines, problems)
+    check_engine(p, file, lines, problems)
     s = p.smoke
     most = p.draft.num_speculative_tokens + 1
     if s.min_acceptance_length > most:
@@ -464,7 +464,7 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 "use e.g. 0.1"))
 
 
-def _check_engine(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
+def check_engine(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
     """What vLLM would refuse only after loading weights: heads that do not split over the
     tensor-parallel ranks (vLLM's draft runs at the verifier's TP size), sequences longer than
     the engine accepts. The verifier's own heads are checked against it in the verifier stage."""

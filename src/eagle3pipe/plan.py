@@ -350,7 +350,7 @@ def problems_of(params: P.Params, cfg: dict, f: _Figures, stages: list[Stage], d
                 artifacts: str | Path) -> list[str]:
     file, lines = P.source_of(params), P.lines_of(params)
     found: list[P.Problem] = []
-    P._check_engine(params, file, lines, found)  # the draft's heads vs TP, max_model_len
+    P.check_engine(params, file, lines, found)  # the draft's heads vs TP, max_model_len
 
     def bad(key: str, msg: str, fix: str) -> None:
         found.append(P.Problem(file, lines.get(key), key, msg, fix))

@@ -161,3 +161,36 @@ def test_remote_shares_outputs_and_run_cache(micro, tmp_path):
     ran = repro(clone)
     assert "extract" not in ran and "dataset" not in ran and "verifier" not in ran
     assert "train" in ran
+
+
+def test_speculators_train_reads_the_outputs_as_is(micro, tmp_path):
+    """speculators' own trainer (`python -m speculators.train`) on the pipeline's outputs: its
+    ArrowDataset over artifacts/hidden/train, its loader of artifacts/vocab/{d2t,t2d}.npy, the
+    draft from the speculators config's transformer_layer_config and the capture's aux ids.
+    On CPU it gets as far as its Trainer moving the model to the accelerator; on CUDA it trains."""
+    import sys
+
+    import torch
+
+    repo, _ = micro
+    spec = json.loads((repo / "configs/speculators/config.json").read_text())
+    (tmp_path / "layer.json").write_text(json.dumps(spec["transformer_layer_config"]))
+    aux = json.loads((repo / "configs/capture.json").read_text())["aux_layer_ids"]
+    vocab = get_param(repo, "draft.draft_vocab_size")
+    r = subprocess.run(
+        [sys.executable, "-m", "speculators.train", "--speculator-type", "eagle3",
+         "--verifier-name-or-path", "artifacts/verifier", "--draft-config",
+         str(tmp_path / "layer.json"), "--draft-vocab-size", str(vocab),
+         "--d2t-path", "artifacts/vocab/d2t.npy", "--t2d-path", "artifacts/vocab/t2d.npy",
+         "--data-path", "artifacts/hidden/train", "--hidden-states-path",
+         "artifacts/hidden/train/hidden_states", "--on-missing", "raise", "--epochs", "1",
+         "--draft-attn-impl", "sdpa", "--save-path", str(tmp_path / "out"),
+         "--total-seq-len", "256", "--hidden-states-dtype", "bfloat16",
+         "--target-layer-ids", *map(str, aux)],
+        cwd=repo, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    if torch.cuda.is_available():
+        assert r.returncode == 0, out[-4000:]
+    else:
+        assert "Loading vocab mappings" in out and "trainer.py" in out, out[-4000:]
+        assert "Cannot access accelerator device when none is available" in out, out[-4000:]

@@ -329,3 +329,22 @@ def test_stage_script_end_to_end(micro_verifier, tmp_path):
     assert r.returncode == 2
     assert "hidden_size=128" in r.stderr and "dvc repro configs" in r.stderr
     assert _files(tmp_path / "hidden") == before  # a failed run leaves the last output intact
+
+
+def test_oracle_names_the_slot_and_layer_beyond_tolerance(micro_verifier, tmp_path):
+    """The transformers oracle against engine states that differ in one slot: the stage's
+    error names that slot and its layer; within tolerance the errors are recorded per slot."""
+    ds, _ = _write_inputs(tmp_path, micro_verifier)
+    v = Verifier(micro_verifier)
+    rows = samples.read(ds / "train.jsonl", 512)[:2]
+    model = capture.tf_load(v)
+    states = {i: capture.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0]
+              for i, r in enumerate(rows)}
+    ok = extract.oracle_check(v, rows, states, AUX, section(oracle_samples=2))
+    assert ok["samples"] == 2 and max(ok["max_rel_error"].values()) < 1e-6, ok
+    states[1] = states[1].clone()
+    states[1][:, 1] *= 1.1  # slot 1: the residual stream entering layer AUX[1]
+    with pytest.raises(ExtractError, match=rf"layer_input_{AUX[1]} \(layer {AUX[1]}\) 0\.1"):
+        extract.oracle_check(v, rows, states, AUX, section(oracle_samples=2))
+    skipped = extract.oracle_check(v, rows, states, AUX, section(oracle_samples=0))
+    assert skipped == {"samples": 0, "skipped": "extract.oracle_samples is 0"}

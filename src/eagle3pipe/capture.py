@@ -52,10 +52,10 @@ def engine_config(layer_ids: list[int], storage: Path) -> dict:
     }
 
 
-def hidden_states(llm, prompts: list[list[int]], *, batch_size: int,
-                  progress=None) -> Iterator[tuple[int, torch.Tensor]]:
+def hidden_states(llm, prompts: list[list[int]], *, batch_size: int
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
     """(index, hidden_states [T, n_ids, H]) for every prompt, in order, from an engine started
-    with engine_config(...). `progress(tokens)` is called after each batch."""
+    with engine_config(...), `batch_size` prompts per engine call."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -73,8 +73,6 @@ def hidden_states(llm, prompts: list[list[int]], *, batch_size: int,
                 raise CaptureError(f"{path}: vLLM captured token ids that differ from prompt "
                                    f"{start + k}'s; the engine reordered or truncated it")
             yield start + k, data["hidden_states"]
-        if progress is not None:
-            progress(sum(map(len, batch)))
 
 
 def _flush(llm, paths: list[Path]) -> None:
@@ -101,7 +99,8 @@ def oracle_unfit(v) -> str | None:
     import os
 
     weights = sum(p.stat().st_size for p in Path(v.model_dir).glob("*.safetensors"))
-    need = weights * 2 if v.get("torch_dtype") not in ("float32", None) else weights
+    stored = v.get("dtype") or v.get("torch_dtype")  # transformers 5 writes "dtype"
+    need = weights * 2 if stored not in ("float32", None) else weights
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

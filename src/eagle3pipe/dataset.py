@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from eagle3pipe import corpus
 from eagle3pipe.errors import Error
-from eagle3pipe.engine import numeric
+from eagle3pipe import engine
 from eagle3pipe.runtime import atomic_dir
 from eagle3pipe.samples import write_jsonl
 from eagle3pipe.verifier import Verifier
@@ -270,8 +270,6 @@ def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, *,
              progress: bool = True) -> tuple[list[list[int]], list[str], dict]:
     """Greedy replies of the verifier (vLLM) to each prompt: (token ids, finish reasons, timing).
     Token ids are exactly what the verifier produced, ending with its stop token if it stopped."""
-    from eagle3pipe import engine
-
     t0 = time.perf_counter()
     engine.environment(settings)  # before vLLM's import
     from vllm import SamplingParams
@@ -394,7 +392,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
         "responses_closed": sum(r == "stop" for r in finish),
         "responses_cut_at_max_new_tokens": sum(r == "length" for r in finish),
         "new_tokens": timing["new_tokens"],
-        "engine": numeric(settings),
+        "engine": engine.numeric(settings),
     }  # timings go to the log only: committed metrics must be byte-identical on rerun
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
     log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
@@ -408,7 +406,5 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): paths.verifier -> paths.out; returns the metrics."""
-    from eagle3pipe.engine import settings_of
-
-    return build(params.dataset, settings_of(params.vllm), paths.verifier, paths.out,
+    return build(params.dataset, engine.settings_of(params.vllm), paths.verifier, paths.out,
                  progress=paths.progress, where=params.where)

@@ -126,7 +126,7 @@ def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | P
     tok = v.tokenizer()
     prompts = build_prompts(tok, s.num_prompts, s.seed)
     longest = max(map(len, prompts))
-    log.info("smoke: verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
+    log.info("verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
              v.model_dir, k, len(prompts), longest, s.max_tokens)
     need = longest + s.max_tokens + k + 1
     if need > settings["max_model_len"]:
@@ -149,7 +149,7 @@ def check_loads(s, inp: Inputs) -> None:
     for fmt, d in inp.exports.items():
         rep = vllm_load.check_draft(inp.settings, inp.model_dir, d,
                                     num_speculative_tokens=inp.k)
-        log.info("smoke: %s: engine-less load check (%s) %s in %.1f s%s", fmt,
+        log.info("%s: engine-less load check (%s) %s in %.1f s%s", fmt,
                  rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
                  "; shared verifier embedding" if rep.shared_embedding else "")
         problems += rep.problems
@@ -214,7 +214,7 @@ def run_engine(name: str, inp: Inputs, s, speculative_config: dict | None) -> En
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter() - t0
-        log.info("smoke: %s: engine start %.1f s", name, start)
+        log.info("%s: engine start %.1f s", name, start)
         before = _counters(llm)
         t1 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in inp.prompts],
@@ -224,7 +224,7 @@ def run_engine(name: str, inp: Inputs, s, speculative_config: dict | None) -> En
         gen = time.perf_counter() - t1
         counters = _delta(before, _counters(llm))
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    log.info("smoke: %s: generated %d tokens in %.1f s", name, sum(map(len, ids)), gen)
+    log.info("%s: generated %d tokens in %.1f s", name, sum(map(len, ids)), gen)
     return EngineRun(name, ids, counters, start, gen)
 
 
@@ -382,7 +382,7 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
         reference, runs = run_engines(s, inp)
     results, failures = judge(s, inp.k, reference, runs, inp.tokenizer.decode)
     metrics = metrics_of(s, inp, reference, results, passed=not failures)
-    log.info("smoke: engine starts: %s", ", ".join(
+    log.info("engine starts: %s", ", ".join(
         f"{n} {r.start_s:.1f} s" for n, r in [("non-speculative", reference), *runs.items()]))
     if failures:
         raise SmokeError("smoke test failed:\n" + "\n".join(f"  - {f}" for f in failures),

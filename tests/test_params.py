@@ -96,7 +96,25 @@ CASES = [
           "cannot fill both a train and an eval split"),
     _case("    threads: 2", "    threads: 0", "verifier.embedded.threads", ">="),
     _case("    seed: 0", "    seed: -1", "verifier.embedded.seed", ">="),
+    # sizes no machine can hold (arch.LARGEST_ACCELERATOR_BYTES), or the verifier forbids
+    _case("  head_dim: 128", "  head_dim: 100000000000", "draft.head_dim",
+          r"1,024\.0 TB of weights .*the largest: NVIDIA B300"),
+    _case("  intermediate_size: 688", "  intermediate_size: 100000000000",
+          "draft.intermediate_size", r"153\.6 TB of weights .*no machine can train or serve it"),
+    _case("  num_attention_heads: 4", "  num_attention_heads: 100000000000",
+          "draft.num_attention_heads", "does not divide the verifier hidden size 256"),
+    _case("  draft_vocab_size:", "  draft_vocab_size: 100000000000", "draft.draft_vocab_size",
+          "exceeds the verifier's vocab_size 4096"),
 ]
+
+
+def refused(rc: int, err: str, out: Path, where: str) -> None:
+    """The shape of every refusal: exit 2, `where` (file:line: key:) named, a fix, no
+    traceback, nothing written."""
+    assert rc == 2, err
+    assert where in err, err
+    assert "fix: " in err and "Traceback" not in err, err
+    assert not out.exists(), "a refused input must write nothing"
 
 
 def run_render(tmp_path: Path, text: str) -> tuple[int, str, Path]:
@@ -133,10 +151,8 @@ def test_default_params_render(tmp_path, verifier_json):
 def test_malformed_value(tmp_path, verifier_json, needle, new, key, msg):
     text, line = replace_line(DEFAULT, needle, new)
     rc, err, out = run_render(tmp_path, text)
-    assert rc == 2
-    assert f"params.yaml:{line}: {key}:" in err, err
+    refused(rc, err, out, f"params.yaml:{line}: {key}:")
     assert re.search(msg, err), err
-    assert not out.exists(), "a failed render must write nothing"
 
 
 def test_missing_key_names_section_line(tmp_path, verifier_json):
@@ -144,36 +160,32 @@ def test_missing_key_names_section_line(tmp_path, verifier_json):
     lines = DEFAULT.splitlines()
     del lines[n - 1]
     rc, err, out = run_render(tmp_path, "\n".join(lines) + "\n")
-    assert rc == 2 and "draft.intermediate_size: missing required key" in err, err
-    assert f"params.yaml:{section_line(DEFAULT, 'draft')}:" in err
-    assert not out.exists()
+    refused(rc, err, out, f"params.yaml:{section_line(DEFAULT, 'draft')}: "
+            "draft.intermediate_size: missing required key")
 
 
 def test_missing_section(tmp_path, verifier_json):
     start = DEFAULT.index("\nsmoke:")
     rc, err, out = run_render(tmp_path, DEFAULT[:start] + "\n")
-    assert rc == 2 and "smoke: missing required key" in err, err
-    assert not out.exists()
+    refused(rc, err, out, "params.yaml:1: smoke: missing required key")
 
 
 def test_unknown_top_level_section(tmp_path, verifier_json):
     text = DEFAULT + "extras:\n  foo: 1\n"
     rc, err, out = run_render(tmp_path, text)
-    assert rc == 2 and f"params.yaml:{len(DEFAULT.splitlines()) + 1}: extras: unknown key" in err
-    assert not out.exists()
+    refused(rc, err, out, f"params.yaml:{len(DEFAULT.splitlines()) + 1}: extras: unknown key")
 
 
 def test_yaml_syntax_error(tmp_path, verifier_json):
     text, line = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: [128")
     rc, err, out = run_render(tmp_path, text)
-    assert rc == 2 and "YAML syntax error" in err and re.search(r"params\.yaml:\d+:", err), err
-    assert not out.exists()
+    refused(rc, err, out, "(yaml): YAML syntax error")
+    assert re.search(rf"params\.yaml:{line + 1}: \(yaml\)", err), err  # where the list breaks
 
 
 def test_empty_file(tmp_path, verifier_json):
     rc, err, out = run_render(tmp_path, "\n  \n")
-    assert rc == 2 and "params.yaml:1: (file): is empty" in err
-    assert not out.exists()
+    refused(rc, err, out, "params.yaml:1: (file): is empty")
 
 
 def test_section_not_mapping(tmp_path, verifier_json):
@@ -181,14 +193,15 @@ def test_section_not_mapping(tmp_path, verifier_json):
     text = text.replace("  dtype: bfloat16\n  batch_size: 8\n  threads: 2\n", "", 1)
     text = "\n".join(t for t in text.split("\n") if not t.startswith("  oracle_"))
     rc, err, out = run_render(tmp_path, text)
-    assert rc == 2 and f"params.yaml:{line}: extract: expected a mapping" in err, err
+    refused(rc, err, out, f"params.yaml:{line}: extract: expected a mapping")
 
 
 def test_all_problems_listed_at_once(tmp_path, verifier_json):
     text, _ = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: 127")
     text, _ = replace_line(text, "  device: cpu", "  device: tpu")
-    rc, err, _ = run_render(tmp_path, text)
-    assert "draft.head_dim" in err and "train.device" in err and "2 problem(s)" in err
+    rc, err, out = run_render(tmp_path, text)
+    refused(rc, err, out, "2 problem(s)")
+    assert "draft.head_dim" in err and "train.device" in err
 
 
 # ---- cross-checks against the verifier config
@@ -211,8 +224,27 @@ def test_verifier_cross_checks(tmp_path, verifier_json, needle, new, key, msg):
     if key == "draft.hidden_size":
         line += 1
     rc, err, out = run_render(tmp_path, text)
-    assert rc == 2 and f"params.yaml:{line}: {key}:" in err and re.search(msg, err), err
-    assert not out.exists()
+    refused(rc, err, out, f"params.yaml:{line}: {key}:")
+    assert re.search(msg, err), err
+
+
+@pytest.mark.parametrize("script,paths", [
+    ("verifier", ["--out", "artifacts/verifier", "--metrics", "metrics/verifier.json"]),
+    ("configs", ["--verifier", "verifier.json", "--out", "configs"])])
+def test_stage_refuses_a_draft_that_fits_nowhere(tmp_path, verifier_json, script, paths):
+    """`dvc repro`'s first stage that reads draft.* (verifier: for validation, before building
+    the embedded verifier) and the configs stage refuse it, in their own process."""
+    import subprocess
+    import sys
+
+    text, line = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: 100000000000")
+    (tmp_path / "params.yaml").write_text(text)
+    r = subprocess.run([sys.executable, str(ROOT / f"stages/{script}.py"), "--params",
+                        "params.yaml", "--dvc-yaml", str(ROOT / "dvc.yaml"), *paths],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    where = f"{script}: error: params.yaml:{line}: draft.head_dim: 100000000000 makes the draft"
+    refused(r.returncode, r.stderr, tmp_path / paths[paths.index("--out") + 1], where)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "verifier.json"]
 
 
 def test_verifier_config_missing_fields(tmp_path):

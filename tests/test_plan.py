@@ -146,3 +146,32 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     bad.write_text(DEFAULT.read_text().replace("num_samples: 288", "num_samples: many"))
     assert cli.main(["plan", "--params", str(bad)]) == 2
     assert "dataset.num_samples: expected an integer" in capsys.readouterr().err
+
+
+def test_a_draft_no_accelerator_holds_is_refused_before_any_plan(tmp_path, capsys):
+    """arch.derive's bound: the plan's own draft bytes (arch.totals of arch.contract) against
+    arch.LARGEST_ACCELERATOR_BYTES; the largest head_dim it names fits, the next even one not."""
+    import re
+
+    params = P.load(DEFAULT)
+    info = VerifierInfo.from_config(DEFAULT_VERIFIER)
+    with pytest.raises(A.ArchError) as e:
+        A.derive(dataclasses.replace(params.draft, head_dim=10 ** 11), info)
+    fits = int(re.search(r"fits at all only up to ([\d,]+)", str(e.value))[1].replace(",", ""))
+    p = plan.build(replace(params, "draft", head_dim=fits), DEFAULT_VERIFIER, gpu=True,
+                   device_gib=A.LARGEST_ACCELERATOR_BYTES / plan.GiB)
+    # bytes per unit of head_dim at H 256, 4 heads, 2 KV heads, bf16: q [4 hd, 2H], k and v
+    # [2 hd, 2H], o [H, 4 hd]
+    per_unit = (4 * 512 + 2 * 2 * 512 + 256 * 4) * 2
+    assert A.LARGEST_ACCELERATOR_BYTES - 2 * per_unit < p.draft_bytes \
+        <= A.LARGEST_ACCELERATOR_BYTES
+    with pytest.raises(A.ArchError, match="draft.head_dim"):
+        A.derive(dataclasses.replace(params.draft, head_dim=fits + 2), info)
+    bad = tmp_path / "params.yaml"
+    bad.write_text(DEFAULT.read_text().replace("  head_dim: 128", "  head_dim: 100000000000"))
+    assert cli.main(["plan", "--params", str(bad), "--verifier-config",
+                     str(DEFAULT_VERIFIER), "--gpu"]) == 2
+    err = capsys.readouterr().err
+    line = next(i for i, t in enumerate(DEFAULT.read_text().splitlines(), 1)
+                if t.startswith("  head_dim: 128"))
+    assert f"{bad}:{line}: draft.head_dim: 100000000000 makes the draft 1,024.0 TB" in err, err

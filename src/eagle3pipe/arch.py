@@ -16,6 +16,7 @@ where <layer> is `layers.0` in speculators' layout and `midlayer` in the flat vL
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from eagle3pipe.errors import Error
@@ -25,6 +26,20 @@ from eagle3pipe.verifier import VerifierInfo
 NUM_AUX = 3  # vLLM's Eagle3 fc input is fixed at 3 aux layers (speculators 0.8 drafts with 4 failed)
 LAYOUTS = ("speculators", "vllm")
 LAYER_PREFIX = {"speculators": "layers.0", "vllm": "midlayer"}
+
+
+# The largest memory of one accelerator on sale (2025): NVIDIA B300 (Blackwell Ultra) and AMD
+# Instinct MI355X, 288 GB HBM3E each (NVIDIA's datasheets list H200 at 141 GB, B200 at 192 GB).
+# derive() refuses a draft whose weights alone (arch.contract in draft.dtype, the figure
+# `eagle3pipe plan` reports as "exported") exceed it: training keeps a whole replica per process
+# (DDP, no sharding) and AdamW's float32 state is 8x more, so such a draft fits nowhere. Drafts
+# that fit this bound but not the planned device are `eagle3pipe plan`'s to report.
+LARGEST_ACCELERATOR_BYTES = 288 * 10 ** 9
+LARGEST_ACCELERATOR = "NVIDIA B300 / AMD Instinct MI355X, 288 GB"
+# bytes per element of each safetensors dtype name; the floating ones count as parameters
+SAFETENSORS_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2,
+                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOATING = ("BF16", "F16", "F32", "F64")
 
 
 class ArchError(Error, ValueError):
@@ -122,7 +137,7 @@ def derive(draft: DraftParams, verifier: VerifierInfo, *, params_file: str = "pa
             "use an even head_dim")
     if problems:
         raise ArchError(problems)
-    return DraftArch(
+    arch = DraftArch(
         hidden_size=H, target_hidden_size=H,
         num_attention_heads=draft.num_attention_heads,
         num_key_value_heads=draft.num_key_value_heads,
@@ -142,6 +157,58 @@ def derive(draft: DraftParams, verifier: VerifierInfo, *, params_file: str = "pa
         eos_token_id=verifier.eos_token_id,
         verifier_num_layers=L,
     )
+    size = size_problem(arch, draft, verifier, params_file, lines)
+    if size:
+        raise ArchError([size])
+    return arch
+
+
+# which params key sizes each group of contract tensors (the rest: the verifier's sizes)
+_SIZED_BY = (("self_attn.", "head_dim"), (".mlp.", "intermediate_size"),
+             ("lm_head.", "draft_vocab_size"), ("d2t", "draft_vocab_size"))
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e12:,.1f} TB" if n >= 10 ** 12 else f"{n / 1e9:,.1f} GB"
+
+
+def size_problem(arch: DraftArch, draft: DraftParams, verifier: VerifierInfo,
+                 params_file: str, lines: dict) -> Problem | None:
+    """A draft whose weights (totals of contract(arch)) exceed LARGEST_ACCELERATOR_BYTES, named
+    by the key that sizes its largest group of tensors, with the largest value that would fit."""
+    specs = contract(arch, "speculators")
+    params, total = totals(specs)
+    if total <= LARGEST_ACCELERATOR_BYTES:
+        return None
+    groups: dict[str | None, int] = {}
+    for name, s in specs.items():
+        key = next((k for part, k in _SIZED_BY if part in name), None)
+        groups[key] = groups.get(key, 0) + totals({name: s})[1]
+    key = max(groups, key=groups.get)
+    what = (f"{_bytes(total)} of weights (arch.contract: {params:,} parameters in "
+            f"{arch.dtype})")
+    limit = f"more than any one accelerator holds (the largest: {LARGEST_ACCELERATOR})"
+    if key is None:
+        return Problem(str(verifier.source), None, "hidden_size",
+                       f"{verifier.hidden_size} makes the draft {what}, {limit}",
+                       "check the verifier's config.json")
+    value = getattr(draft, key)
+    fits = (LARGEST_ACCELERATOR_BYTES - (total - groups[key])) // (groups[key] // value)
+    fits -= fits % 2 if key == "head_dim" else 0
+    hint = f"it fits at all only up to {fits:,}; " if fits > 0 else ""
+    return Problem(params_file, lines.get(f"draft.{key}"), f"draft.{key}",
+                   f"{value} makes the draft {what}, {_bytes(groups[key])} of them in the "
+                   f"tensors draft.{key} sizes: {limit}; no machine can train or serve it",
+                   f"lower draft.{key} ({hint}an EAGLE-3 draft is one decoder layer, usually "
+                   "with the verifier's own head_dim and about its intermediate_size)")
+
+
+def totals(specs: dict[str, TensorSpec]) -> tuple[int, int]:
+    """(parameters: numel of the floating tensors, bytes of every tensor) of a contract: the
+    one count of a draft's size (derive's bound above, `eagle3pipe plan`)."""
+    numel = {name: math.prod(s.shape) for name, s in specs.items()}
+    return (sum(n for name, n in numel.items() if specs[name].dtype in FLOATING),
+            sum(n * SAFETENSORS_BYTES[specs[name].dtype] for name, n in numel.items()))
 
 
 def contract(arch: DraftArch, layout: str, *, embed_tokens: bool = False) -> dict[str, TensorSpec]:

@@ -4,7 +4,8 @@ params.yaml and the verifier's config.json alone (no model loaded, no engine sta
 Hand-checkable figures: hidden-state bytes/token = (NUM_AUX + 1) x H x bytes(extract.dtype)
 (57,344 for bf16 at H 7168); tokens = dataset.num_samples x (max_prompt_tokens +
 max_new_tokens), an upper bound; draft parameters = numel of arch.contract's floating tensors
-(d2t/t2d are index maps); verifier weights from the safetensors headers beside config.json, else
+(d2t/t2d are index maps; arch.derive refuses a draft whose weights exceed the largest single
+accelerator, arch.LARGEST_ACCELERATOR_BYTES, before any plan is made); verifier weights from the safetensors headers beside config.json, else
 estimated from the config (dense/MoE, GQA/MLA); training memory per process = draft params x
 (4 weights + 4 grads + 8 AdamW) B + activations (an estimate). Stages call build(), render()
 and disk_problem() to print the same report and to refuse an output that cannot fit.
@@ -24,9 +25,6 @@ from eagle3pipe.verifier import VerifierInfo, read_config
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-            "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-FLOATING = ("BF16", "F16", "F32", "F64")
 ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # float32 weights + grads + AdamW's two moments
 TOKEN_ROW_BYTES = 8 + 8  # input_ids + loss_mask, int64, per token (extract's Arrow rows)
 HS_TOKEN_IDS_BYTES = 8  # token_ids int64 beside every hs_{i}.safetensors' hidden_states
@@ -73,10 +71,9 @@ def hidden_bytes_per_token(hidden_size: int, dtype: str) -> int:
 
 
 def tensor_totals(specs: dict[str, A.TensorSpec]) -> tuple[int, int]:
-    """(parameters: numel of the floating tensors, bytes of every tensor) of a contract."""
-    params = sum(math.prod(s.shape) for s in specs.values() if s.dtype in FLOATING)
-    nbytes = sum(math.prod(s.shape) * ST_BYTES[s.dtype] for s in specs.values())
-    return params, nbytes
+    """(parameters: numel of the floating tensors, bytes of every tensor) of a contract:
+    arch.totals, the same count arch.derive bounds by A.LARGEST_ACCELERATOR_BYTES."""
+    return A.totals(specs)
 
 
 def activation_floats_per_token(specs: dict[str, A.TensorSpec]) -> int:

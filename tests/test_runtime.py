@@ -5,6 +5,7 @@ import re
 import pytest
 
 from eagle3pipe import extract, formats, smoke, verifier
+from eagle3pipe.errors import Error
 
 # (reader, error class, file it reads relative to the directory it is given, fix it must name)
 READERS = {
@@ -17,9 +18,19 @@ READERS = {
     "verifier.read_manifest": (lambda d: verifier.read_manifest(d), verifier.VerifierError,
                                verifier.MANIFEST, "dvc repro -f -s verifier"),
 }
+# (bytes of the file, what the message must say after the file name)
 BROKEN = {
-    "invalid_json": ('{\n  "a": 1,\n  oops\n}\n', r":3: invalid JSON"),
-    "not_an_object": ("[1, 2, 3]\n", "expected a JSON object"),
+    "invalid_json": (b'{\n  "a": 1,\n  oops\n}\n', r":3: invalid JSON"),
+    "not_an_object": (b"[1, 2, 3]\n", ": expected a JSON object, got a JSON list"),
+    "not_utf8": (b'{\n  "a": "caf\xe9"\n}\n', r":2: not UTF-8 text \(byte 0xe9 at offset 13"),
+    "utf16": ('{"a": 1}'.encode("utf-16"), r":1: not UTF-8 text \(byte 0xff at offset 0"),
+    "nan": (b'{\n  "note": "NaN in a string is fine",\n  "rms_norm_eps": NaN\n}\n',
+            r":3: NaN is not JSON"),
+    "infinity": (b'{"rope_theta": -Infinity}', r":1: -Infinity is not JSON"),
+    "truncated": (b'{\n  "a": [1,\n', r":3: invalid JSON"),
+    "empty": (b"", r":1: invalid JSON"),
+    "bom": (b'\xef\xbb\xbf{"a": 1}', r":1: invalid JSON \(Unexpected UTF-8 BOM"),
+    "too_deep": (b"[" * 100_000 + b"]" * 100_000, r": invalid JSON \(nested too deeply"),
 }
 
 
@@ -30,12 +41,13 @@ def test_broken_generated_json_names_file_line_and_fix(tmp_path, reader, broken)
     text, what = BROKEN[broken]
     path = tmp_path / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_bytes(text)
     with pytest.raises(error) as e:
         read(tmp_path)
     msg = str(e.value)
-    assert str(path) in msg and fix in msg, msg
-    assert re.search(what, msg), msg
+    assert isinstance(e.value, Error)  # the stage runner prints it without a traceback
+    assert fix in msg, msg
+    assert re.search(re.escape(str(path)) + what, msg), msg
 
 
 @pytest.mark.parametrize("reader", ["extract.read_capture", "formats.read_draft_config",

@@ -208,6 +208,241 @@ def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# ---------------------------------------------------------------------------------------------
+# Malformed JSONL through the stages' own runner (eagle3pipe.stage.main, in this process): each
+# names file:line, the reason and the fix, exits 2 with no traceback, and writes nothing
+
+
+def _msgs(*messages) -> bytes:
+    return json.dumps({"messages": list(messages)}).encode()
+
+
+USER = {"role": "user", "content": "x"}
+# (id, the bad line's bytes: line 3 of the file, after a good line and a blank one, reason,
+# what the message says after "FILE:3: REASON: "); micro params: max_seq_len 128, prompt 48
+MALFORMED_JSONL = [
+    ("truncated_object", _msgs(USER)[:-2], "malformed_json", "not valid JSON: Expecting"),
+    ("not_utf8", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "malformed_json",
+     "not UTF-8 (invalid continuation byte: byte 0xe9 at byte 47)"),
+    ("utf16", '{"messages": []}'.encode("utf-16-le"), "malformed_json", "not valid JSON"),
+    ("bom_on_line_3", b"\xef\xbb\xbf" + _msgs(USER), "malformed_json",
+     "not valid JSON: Unexpected UTF-8 BOM"),
+    ("two_objects", _msgs(USER) + b" " + _msgs(USER), "malformed_json",
+     "not valid JSON: Extra data"),
+    ("python_dict", b"{'messages': []}", "malformed_json",
+     "not valid JSON: Expecting property name enclosed in double quotes at column 2"),
+    ("trailing_comma", b'{"messages": [],}', "malformed_json",
+     "not valid JSON: Expecting property name enclosed in double quotes at column 17"),
+    ("nested_too_deeply", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "malformed_json", "not valid JSON: nested too deeply to read"),
+    ("integer_of_5001_digits", b'{"messages": [], "n": 1' + b"0" * 5000 + b"}",
+     "malformed_json", "not valid JSON: Exceeds the limit (4300 digits)"),
+    ("json_array", json.dumps([USER]).encode(), "missing_messages",
+     'the line is a JSON array, not an object {"messages": [...]}'),
+    ("json_string", b'"hello"', "missing_messages", "the line is a JSON string"),
+    ("json_null", b"null", "missing_messages", "the line is a JSON null"),
+    ("json_number", b"42", "missing_messages", "the line is a JSON number"),
+    ("no_messages_key", json.dumps({"conversation": [USER]}).encode(), "missing_messages",
+     "no \"messages\" key (got ['conversation'])"),
+    ("messages_an_object", json.dumps({"messages": USER}).encode(), "missing_messages",
+     '"messages" must be a list, got a JSON object'),
+    ("messages_a_string", json.dumps({"messages": "hi"}).encode(), "missing_messages",
+     '"messages" must be a list, got a JSON string'),
+    ("empty_messages", _msgs(), "empty_conversation", '"messages" is empty'),
+    ("message_a_string", _msgs("hi"), "bad_message", 'messages[0] is "hi", not an object'),
+    ("message_null", _msgs(USER, None), "bad_message", "messages[1] is null, not an object"),
+    ("message_without_role", _msgs({"content": "x"}), "bad_message",
+     'messages[0] has no "role"'),
+    ("message_without_content", _msgs({"role": "user"}), "bad_message",
+     'messages[0] has no "content"'),
+    ("role_a_number", _msgs({"role": 1, "content": "x"}), "bad_message",
+     "messages[0].role is 1, not a string"),
+    ("role_tool", _msgs(USER, {"role": "tool", "content": "x"}), "bad_message",
+     "messages[1].role is 'tool', not one of system, user, assistant"),
+    ("role_capitalised", _msgs({"role": "User", "content": "x"}), "bad_message",
+     "messages[0].role is 'User', not one of"),
+    ("content_a_number", _msgs({"role": "user", "content": 5}), "bad_message",
+     "messages[0].content is 5, not a string"),
+    ("content_parts_list", _msgs({"role": "user", "content": [{"type": "text", "text": "x"}]}),
+     "bad_message", 'messages[0].content is [{"type": "text", "text": "x"}], not a string'),
+    ("content_null", _msgs({"role": "user", "content": None}), "bad_message",
+     "messages[0].content is null, not a string"),
+    ("content_lone_surrogate", b'{"messages": [{"role": "user", "content": "a\\udc80b"}]}',
+     "bad_message", "messages[0].content is not valid Unicode (a lone surrogate '\\udc80' at "
+     "character 1)"),
+    ("only_a_system_turn", _msgs({"role": "system", "content": "be brief"}), "no_user_turn",
+     "no user turn before the first assistant turn"),
+    ("assistant_first", _msgs({"role": "assistant", "content": "hi"}, USER), "no_user_turn",
+     "no user turn before the first assistant turn"),
+    ("conversation_too_long", _msgs(USER, {"role": "assistant", "content": "x = 1\n" * 200}),
+     "too_long", "the conversation is"),
+    ("prompt_too_long", _msgs({"role": "system", "content": "import os\n" * 10},
+                              {"role": "user", "content": "go"}), "prompt_too_long",
+     "the turns before the last user turn alone exceed dataset.max_prompt_tokens (48)"),
+]
+GOOD_LINE = json.dumps(GOOD).encode()
+
+
+def run_stage(name, run, paths: dict, capsys, tmp_path, **params) -> tuple[int, str]:
+    """The stage `name` through eagle3pipe.stage.main on the micro params (edited by
+    `params`); (exit code, stderr)."""
+    from eagle3pipe import stage
+
+    f = tmp_path / "params.yaml"
+    f.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(), **params))
+    argv = ["--params", str(f), "--dvc-yaml", str(ROOT / "dvc.yaml"), "--no-progress"]
+    for k, v in paths.items():
+        argv += ["--" + k.replace("_", "-"), str(v)]
+    capsys.readouterr()
+    rc = stage.main(name, run, paths=tuple(paths), argv=argv, exit=False)
+    return rc, capsys.readouterr().err
+
+
+def dataset_stage(tmp_path, micro_verifier, capsys, data: bytes | str | None
+                  ) -> tuple[int, str, Path]:
+    """The dataset stage on in.jsonl holding `data` ("dir": a directory, None: no file)."""
+    src = tmp_path / "in.jsonl"
+    if data == "dir":
+        src.mkdir()
+    elif data is not None:
+        src.write_bytes(data)
+    rc, err = run_stage("dataset", dataset.run, {"verifier": micro_verifier,
+                                                 "out": tmp_path / "out",
+                                                 "metrics": tmp_path / "metrics.json"},
+                        capsys, tmp_path, source=json.dumps(str(src)), on_bad_input="error")
+    return rc, err, src
+
+
+def assert_refused(rc: int, err: str, where: str, tmp_path: Path, stage: str = "dataset"):
+    assert rc == 2, err
+    assert f"{stage}: error: {where}" in err, err
+    assert "fix: " in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("case", MALFORMED_JSONL, ids=[c[0] for c in MALFORMED_JSONL])
+def test_malformed_jsonl_line_refused_by_the_stage(micro_verifier, tmp_path, capsys, case):
+    _, line, reason, detail = case
+    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys,
+                                 b"\n".join([GOOD_LINE, b"", line]) + b"\n")
+    assert_refused(rc, err, f"{src}:3: {reason}: {detail}", tmp_path)
+
+
+def test_malformed_jsonl_lines_are_skipped_by_reason(tokenizer, tmp_path):
+    """on_bad_input: skip counts every case above under its reason and keeps the good line."""
+    import collections
+
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b"\n".join([GOOD_LINE] + [c[1] for c in MALFORMED_JSONL]) + b"\n")
+    prompts, report = dataset.jsonl_prompts(
+        f, cfg(source=str(f), num_samples=100, max_seq_len=128, max_prompt_tokens=48),
+        tokenizer, progress=False)
+    assert [p.id for p in prompts] == ["jsonl-0000001"]
+    want = collections.Counter(c[2] for c in MALFORMED_JSONL)
+    assert report.skipped_by_reason == {r: want[r] for r in REASONS}
+
+
+# (id, the file's bytes, what the message says after "dataset: error: ")
+MALFORMED_JSONL_FILES = [
+    ("truncated_last_line", GOOD_LINE + b"\n" + GOOD_LINE + b'\n{"messages": [{"role": "us',
+     "{src}:3: malformed_json: not valid JSON: Unterminated string"),
+    ("empty_file", b"", "{src}: no conversation in it (empty, or only blank lines)"),
+    ("only_blank_lines", b"\n  \n\t\n\n", "{src}: no conversation in it"),
+    ("source_not_found", None, "{params}:{line}: dataset.source: {src} not found"),
+    ("source_a_directory", "dir", "{params}:{line}: dataset.source: {src} is not a file"),
+]
+
+
+@pytest.mark.parametrize("case", MALFORMED_JSONL_FILES, ids=[c[0] for c in MALFORMED_JSONL_FILES])
+def test_malformed_jsonl_file_refused_by_the_stage(micro_verifier, tmp_path, capsys, case):
+    _, data, want = case
+    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys, data)
+    line = next(i for i, t in enumerate((tmp_path / "params.yaml").read_text().splitlines(), 1)
+                if t.startswith("  source:"))
+    assert_refused(rc, err, want.format(src=src, params=tmp_path / "params.yaml", line=line),
+                   tmp_path)
+
+
+def test_tolerated_jsonl_variants(tokenizer, tmp_path):
+    """Not malformed: a UTF-8 byte-order mark on line 1, CRLF line ends, whitespace-only lines,
+    keys the stage does not read; line numbers (the sample ids) still count every line."""
+    extra = json.dumps({"id": "mine", "messages": [{**USER, "name": "bob"}], "meta": {"a": 1}})
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + b"\r\n \t\r\n\r\n" + extra.encode() + b"\r\n")
+    prompts, report = dataset.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"),
+                                            tokenizer, progress=False)
+    assert [p.id for p in prompts] == ["jsonl-0000001", "jsonl-0000004"]
+    assert prompts[1].messages == [USER] and report.read == 2
+
+
+@pytest.mark.slow
+def test_malformed_jsonl_in_the_stage_process(micro_verifier, tmp_path):
+    """The stage script in its own process: exit 2, file:line, no traceback, nothing written."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(GOOD_LINE + b'\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    params = tmp_path / "params.yaml"
+    params.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(),
+                                  source=json.dumps(str(src)), on_bad_input="error"))
+    r = subprocess.run([sys.executable, str(ROOT / "stages/dataset.py"), "--params", str(params),
+                        "--dvc-yaml", str(ROOT / "dvc.yaml"), "--verifier", str(micro_verifier),
+                        "--out", "out", "--metrics", "metrics.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert_refused(r.returncode, r.stderr, f"{src}:2: malformed_json: not UTF-8", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed sample files (artifacts/dataset/*.jsonl, written by the dataset stage, read by vocab
+# and extract through samples.read) through the vocab stage's runner
+
+SAMPLE = {"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}
+
+
+def _sample(**values) -> bytes:
+    return json.dumps({**SAMPLE, **values}).encode()
+
+
+IDS_MSG, MASK_MSG = "input_ids must be a non-empty list of integers", "loss_mask must be a list "
+# (id, the bad line: line 2, after a good sample, what the message says after "FILE:2: ")
+MALFORMED_SAMPLES = [
+    ("not_utf8", b'{"id": "caf\xe9", "input_ids": [1], "loss_mask": [1]}',
+     "invalid JSON line (not UTF-8 (invalid continuation byte: byte 0xe9 at byte 12))"),
+    ("truncated", _sample()[:-5], "invalid JSON line (not valid JSON: Expecting"),
+    ("bom", b"\xef\xbb\xbf" + _sample(), "invalid JSON line (not valid JSON: Unexpected UTF-8 BOM"),
+    ("nested_too_deeply", b"[" * 100_000 + b"]" * 100_000,
+     "invalid JSON line (not valid JSON: nested too deeply to read)"),
+    ("json_array", b"[1, 2]", "expected a JSON object, got a JSON array"),
+    ("missing_loss_mask", json.dumps({"id": "b", "input_ids": [1]}).encode(),
+     "missing key(s) ['loss_mask']"),
+    ("id_a_number", _sample(id=7), "id must be a non-empty string, got 7"),
+    ("empty_input_ids", _sample(input_ids=[], loss_mask=[]), IDS_MSG),
+    ("float_token_id", _sample(input_ids=[1.0, 2]), IDS_MSG),
+    ("bool_token_id", _sample(input_ids=[True, 2]), IDS_MSG),
+    ("negative_token_id", _sample(input_ids=[-1, 2]),
+     "token id -1 outside the verifier vocabulary [0, 512)"),
+    ("token_id_beyond_vocab", _sample(input_ids=[1, 512]),
+     "token id 512 outside the verifier vocabulary [0, 512)"),
+    ("loss_mask_too_short", _sample(loss_mask=[1]), MASK_MSG + "of 0/1 with one entry per "
+     "input id (2)"),
+    ("loss_mask_of_2", _sample(loss_mask=[0, 2]), MASK_MSG),
+    ("loss_mask_of_booleans", _sample(loss_mask=[False, True]), MASK_MSG),
+    ("loss_mask_null", _sample(loss_mask=None), MASK_MSG),
+]
+
+
+@pytest.mark.parametrize("case", MALFORMED_SAMPLES, ids=[c[0] for c in MALFORMED_SAMPLES])
+def test_malformed_sample_file_refused_by_the_vocab_stage(tmp_path, capsys, case):
+    from eagle3pipe import vocab
+
+    _, line, detail = case
+    f = tmp_path / "train.jsonl"
+    f.write_bytes(json.dumps(SAMPLE).encode() + b"\n" + line + b"\n")
+    config = tmp_path / "config.json"  # the fields VerifierInfo reads; vocab 512
+    config.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 512}))
+    rc, err = run_stage("vocab", vocab.run, {"dataset": f, "verifier_config": config,
+                                             "out": tmp_path / "out"}, capsys, tmp_path)
+    assert_refused(rc, err, f"{f}:2: {detail}", tmp_path, stage="vocab")
+
+
 def test_settings_that_cannot_fit_are_refused(micro_verifier, tmp_path):
     with pytest.raises(DatasetError, match="dataset.max_seq_len"):
         dataset.build(cfg(max_prompt_tokens=60, max_new_tokens=40, max_seq_len=96),

@@ -21,7 +21,7 @@ READERS = {
 # (bytes of the file, what the message must say after the file name)
 BROKEN = {
     "invalid_json": (b'{\n  "a": 1,\n  oops\n}\n', r":3: invalid JSON"),
-    "not_an_object": (b"[1, 2, 3]\n", ": expected a JSON object, got a JSON list"),
+    "not_an_object": (b"[1, 2, 3]\n", ": expected a JSON object, got a JSON array"),
     "not_utf8": (b'{\n  "a": "caf\xe9"\n}\n', r":2: not UTF-8 text \(byte 0xe9 at offset 13"),
     "utf16": ('{"a": 1}'.encode("utf-16"), r":1: not UTF-8 text \(byte 0xff at offset 0"),
     "nan": (b'{\n  "note": "NaN in a string is fine",\n  "rms_norm_eps": NaN\n}\n',

@@ -38,7 +38,8 @@ LARGEST_ACCELERATOR_BYTES = 288 * 10 ** 9
 LARGEST_ACCELERATOR = "NVIDIA B300 / AMD Instinct MI355X, 288 GB"
 # bytes per element of each safetensors dtype name; the floating ones count as parameters
 SAFETENSORS_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2,
-                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+                     "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                     "F8_E5M2": 1}
 FLOATING = ("BF16", "F16", "F32", "F64")
 
 

@@ -34,40 +34,103 @@ class CheckpointError(Error, ValueError):
 
 def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor: (dtype, shape)} from a safetensors header, without loading a tensor (only the
-    header is read, whatever the file's size): 8 bytes little-endian header length, then JSON
-    whose entries' data_offsets must lie inside the file (a truncated file is an error)."""
-    size = Path(path).stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)", FIX)
-        (n,) = struct.unpack("<Q", head)
-        if n > min(100 * 2**20, size - 8):
-            raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file "
-                                  f"size {size})", FIX)
-        try:
-            meta = json.loads(fh.read(n))
-            out = {k: (v["dtype"], tuple(v["shape"])) for k, v in meta.items()
-                   if k != "__metadata__"}
-            end = max([v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"],
-                      default=0)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (header: {e!r})", FIX) from None
+    header is read, whatever the file's size): 8 bytes little-endian header length, then a JSON
+    object checked as safetensors itself checks it before any tensor is read (_entries), and a
+    data section exactly as long as the header says (a truncated file is an error)."""
+    try:
+        size = Path(path).stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)",
+                                      FIX)
+            (n,) = struct.unpack("<Q", head)
+            if n > min(100 * 2**20, size - 8):
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n}, "
+                                      f"file size {size})", FIX)
+            raw = fh.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})", FIX) from None
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not a safetensors file (header: not UTF-8 at byte "
+                              f"{8 + e.start})", FIX) from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (header: {e})", FIX) from None
+    out, end = _entries(meta, path)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated: its header puts tensor data up to byte "
                               f"{8 + n + end}, the file has {size}", FIX)
+    if 8 + n + end < size:
+        raise CheckpointError(f"{path}: {size - 8 - n - end} bytes after the last tensor's data "
+                              "(safetensors refuses such a file)", FIX)
     return out
 
 
+def _entries(meta, path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """({tensor: (dtype, shape)}, bytes of tensor data) of a parsed header, checked as
+    safetensors checks it (safetensors/src/tensor.rs, Metadata::validate): known dtypes, shapes
+    of non-negative integers, [begin, end] offsets that hold exactly shape x dtype bytes and
+    tile the data section from byte 0 without gap or overlap, string __metadata__."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a safetensors file (header: {what})", FIX)
+
+    def naturals(v) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+    if not isinstance(meta, dict):
+        kind = {list: "array", str: "string", int: "number", float: "number"}.get(type(meta))
+        raise bad(f"a JSON {kind or 'value'}, not an object")
+    extra = meta.get("__metadata__", {})
+    if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
+        raise bad(f"__metadata__ {json.dumps(extra)[:60]} is not a map of strings")
+    out, spans = {}, []
+    for name, v in meta.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(v, dict) or not {"dtype", "shape", "data_offsets"} <= set(v):
+            raise bad(f"tensor {name}: {json.dumps(v)[:60]} lacks dtype, shape or data_offsets")
+        dt, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
+        if dt not in A.SAFETENSORS_BYTES:
+            raise bad(f"tensor {name}: dtype {dt!r} is not one of "
+                      f"{', '.join(A.SAFETENSORS_BYTES)}")
+        if not naturals(shape):
+            raise bad(f"tensor {name}: shape {json.dumps(shape)[:40]} is not a list of "
+                      "non-negative integers")
+        if not naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise bad(f"tensor {name}: data_offsets {json.dumps(offsets)[:40]} are not "
+                      "[begin, end] with 0 <= begin <= end")
+        need = math.prod(shape) * A.SAFETENSORS_BYTES[dt]
+        if offsets[1] - offsets[0] != need:
+            raise bad(f"tensor {name}: data_offsets {offsets} hold {offsets[1] - offsets[0]} "
+                      f"bytes, its shape {shape} in {dt} needs {need}")
+        out[name] = (dt, tuple(shape))
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {name}: its data starts at byte {begin} of the data section, "
+                      f"the previous tensor's ends at {end} (a gap or an overlap)")
+        end = stop
+    return out, end
+
+
 def checkpoint_tensors(ckpt: str | Path) -> dict[str, tuple[str, tuple[int, ...], Path]]:
-    """{tensor: (dtype, shape, file)} over every *.safetensors file of the directory."""
+    """{tensor: (dtype, shape, file)} over every *.safetensors file of the directory; a tensor
+    in two files is an error (which one a loader keeps is its choice)."""
     ckpt = Path(ckpt)
     files = sorted(ckpt.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{ckpt}: no *.safetensors files")
-    out = {}
+        raise CheckpointError(f"{ckpt}: no *.safetensors files", FIX)
+    out: dict[str, tuple[str, tuple[int, ...], Path]] = {}
     for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: not a file", FIX)
         for name, (dt, shape) in read_header(f).items():
+            if name in out:
+                raise CheckpointError(f"{f}: tensor {name} is also in {out[name][2]}", FIX)
             out[name] = (dt, shape, f)
     return out
 
@@ -120,14 +183,18 @@ def check_tensors(tensors: dict, arch: A.DraftArch, layout: str, where: str,
 
 def check_vocab_map(ckpt: Path, tensors: dict, arch: A.DraftArch) -> list[str]:
     """d2t consistent with t2d (eagle3pipe.vocab.mapping_problem)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if "d2t" not in tensors or "t2d" not in tensors:
         return []
-    with safe_open(tensors["d2t"][2], "pt") as f:
-        d2t = f.get_tensor("d2t")
-    with safe_open(tensors["t2d"][2], "pt") as f:
-        t2d = f.get_tensor("t2d")
+    maps = {}
+    for name in ("d2t", "t2d"):
+        try:
+            with safe_open(tensors[name][2], "pt") as f:
+                maps[name] = f.get_tensor(name)
+        except SafetensorError as e:
+            return [f"{tensors[name][2]}: safetensors cannot read tensor {name} ({e}); {FIX}"]
+    d2t, t2d = maps["d2t"], maps["t2d"]
     if d2t.shape != (arch.draft_vocab_size,) or t2d.shape != (arch.vocab_size,):
         return []  # shape problems are reported by check_tensors
     from eagle3pipe.vocab import mapping_problem
@@ -189,6 +256,11 @@ def check_finite(tensors: dict) -> list[str]:
     return problems
 
 
+SIZE_FIELDS = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size",
+               "max_position_embeddings")
+
+
 def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None, *,
                      against: str = "params.yaml", dtype: str | None = None) -> list[str]:
     """Every problem of a draft checkpoint dir: its config (every field present), its tensors vs
@@ -199,6 +271,9 @@ def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None,
     (formats.parse_speculators)."""
     ckpt = Path(ckpt_dir)
     cfg_path = ckpt / "config.json"
+    if not ckpt.is_dir():
+        return [f"{ckpt}: not a directory (a draft checkpoint is a directory of config.json and "
+                "*.safetensors files)"]
     try:
         _, arch, layout = formats.read_config_file(
             cfg_path, verifier_num_layers=None if reference is None else
@@ -206,6 +281,10 @@ def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None,
         tensors = checkpoint_tensors(ckpt)
     except Error as e:
         return [str(e)]
+    sizes = [f"{cfg_path}: {f} = {getattr(arch, f)} must be a positive integer; {CONFIG_FIX}"
+             for f in SIZE_FIELDS if getattr(arch, f) < 1]
+    if sizes:  # a contract of such sizes would not explain anything
+        return sizes
     where = f"{ckpt} ({layout} layout)"
     problems = check_tensors(tensors, arch, layout, where, f"its {cfg_path.name}")
     if reference is not None:

@@ -7,7 +7,8 @@ carry loss.
 Prompt sources (params `dataset.source`):
   null   held-out standard-library snippets (corpus part "prompt", disjoint from the verifier's
          "train" part and the smoke test's "heldout" part), each one user turn.
-  PATH   a JSONL file, one conversation per line: {"messages": [{"role", "content"}, ...]}.
+  PATH   a JSONL file (UTF-8, a byte-order mark allowed), one conversation per line:
+         {"messages": [{"role", "content"}, ...]}, roles system, user or assistant.
          The conversation is cut before its first assistant turn (system and user turns before
          it are kept) and the verifier writes one assistant reply to that prefix. Dataset
          replies and later turns are dropped: they are not the verifier's distribution. A line
@@ -40,7 +41,8 @@ from eagle3pipe import corpus
 from eagle3pipe.errors import Error
 from eagle3pipe import engine
 from eagle3pipe.runtime import atomic_dir
-from eagle3pipe.samples import write_jsonl
+from eagle3pipe.samples import (json_type, message_problem, parse_line as parse_json_line,
+                                write_jsonl)
 from eagle3pipe.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,8 @@ _FIX = {
     "malformed_json": "make the line one complete JSON object",
     "missing_messages": 'give the line a "messages" list: {"messages": [{"role": "user", '
                         '"content": "..."}]}',
-    "bad_message": 'make every message an object with string "role" and "content"',
+    "bad_message": 'make every message an object with a "role" (system, user or assistant) '
+                   'and a string "content"',
     "empty_conversation": "remove the line or add at least one user turn",
     "no_user_turn": "add a user turn before the first assistant turn",
     "too_long": "shorten the conversation or raise dataset.max_seq_len",
@@ -193,26 +196,26 @@ def _parse_line(raw: bytes, file: str, lineno: int, cfg: Any, tokenizer) -> Prom
     def bad(reason: str, detail: str) -> BadInputError:
         return BadInputError(file, lineno, reason, detail)
 
-    try:
-        record = json.loads(raw.decode("utf-8").strip())
-    except UnicodeDecodeError as e:
-        raise bad("malformed_json", f"not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise bad("malformed_json", f"not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(record, dict) or "messages" not in record:
-        got = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise bad("missing_messages", f'no "messages" key (got {got})')
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark: accepted
+        raw = raw[3:]
+    record, err = parse_json_line(raw)
+    if err:
+        raise bad("malformed_json", err)
+    if not isinstance(record, dict):
+        raise bad("missing_messages", f"the line is a JSON {json_type(record)}, not an "
+                                      'object {"messages": [...]}')
+    if "messages" not in record:
+        raise bad("missing_messages", f'no "messages" key (got {sorted(record)})')
     messages = record["messages"]
     if not isinstance(messages, list):
-        raise bad("missing_messages", f'"messages" must be a list, got '
-                                      f"{type(messages).__name__}")
+        raise bad("missing_messages", f'"messages" must be a list, got a JSON '
+                                      f"{json_type(messages)}")
     if not messages:
         raise bad("empty_conversation", '"messages" is empty')
     for j, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise bad("bad_message", f"messages[{j}] is {json.dumps(m)[:80]}, not "
-                                     '{"role": str, "content": str}')
+        problem = message_problem(j, m)
+        if problem:
+            raise bad("bad_message", problem)
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     first_assistant = next((j for j, m in enumerate(messages) if m["role"] == "assistant"),
                            len(messages))
@@ -231,18 +234,26 @@ def _parse_line(raw: bytes, file: str, lineno: int, cfg: Any, tokenizer) -> Prom
     return Prompt(f"jsonl-{lineno:07d}", kept, ids, truncated)
 
 
-def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = True
+def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = True,
+                  where: Callable[[str], str] = lambda key: "params.yaml"
                   ) -> tuple[list[Prompt], ReadReport]:
     """Prompts from a JSONL of conversations: at most cfg.num_samples non-blank lines are read;
-    blank lines are ignored. Bad lines raise BadInputError (on_bad_input: error) or are counted
-    by reason and skipped (skip)."""
+    blank lines are ignored (their numbers still count). Bad lines raise BadInputError
+    (on_bad_input: error) or are counted by reason and skipped (skip). `where(key)` names the
+    params file and line of a key."""
     path = Path(path)
+    fix = ('point it at a JSONL file of {"messages": [...]} lines, or null for stdlib prompts')
     if not path.is_file():
-        raise DatasetError(f"params.yaml: dataset.source: {path} not found; fix: point it at a "
-                           "JSONL file of {\"messages\": [...]} lines, or null for stdlib prompts")
+        state = "is not a file" if path.exists() else "not found"
+        raise DatasetError(f"{where('dataset.source')}: dataset.source: {path} {state}", fix)
     report = ReadReport(source=str(path))
     prompts: list[Prompt] = []
-    with path.open("rb") as fh:
+    try:
+        fh = path.open("rb")
+    except OSError as e:
+        raise DatasetError(f"{where('dataset.source')}: dataset.source: {path}: cannot read it "
+                           f"({e.strerror})", fix) from None
+    with fh:
         bar = tqdm(total=cfg.num_samples, desc="dataset: read", disable=not progress,
                    mininterval=1.0)
         for lineno, raw in enumerate(fh, start=1):
@@ -259,6 +270,9 @@ def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = Tru
                     raise
                 report.skip(err)
         bar.close()
+    if report.read == 0:
+        raise DatasetError(f"{path}: no conversation in it (empty, or only blank lines); "
+                           f"dataset.source at {where('dataset.source')}", fix)
     return prompts, report
 
 
@@ -352,7 +366,8 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     if cfg.source is None:
         prompts, report = stdlib_prompts(cfg, tokenizer, progress=progress)
     else:
-        prompts, report = jsonl_prompts(cfg.source, cfg, tokenizer, progress=progress)
+        prompts, report = jsonl_prompts(cfg.source, cfg, tokenizer, progress=progress,
+                                        where=where)
     skipped = sum(report.skipped_by_reason.values())
     if not prompts:
         reasons = ", ".join(f"{k}: {v}" for k, v in report.skipped_by_reason.items() if v)

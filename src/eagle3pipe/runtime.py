@@ -90,7 +90,9 @@ def read_json_object(path: str | Path, error: type[Exception], fix: str,
         raise error(f"{path}:{line}: {constants[0]} is not JSON (no value here may be "
                     f"non-finite); {fix}")
     if not isinstance(doc, dict):
-        raise error(f"{path}: expected a JSON object, got a JSON {type(doc).__name__}; {fix}")
+        kind = {list: "array", str: "string", bool: "true/false", int: "number",
+                float: "number"}.get(type(doc), "null")
+        raise error(f"{path}: expected a JSON object, got a JSON {kind}; {fix}")
     return doc
 
 

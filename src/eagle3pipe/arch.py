@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from eagle3pipe import families
 from eagle3pipe.errors import Error
 from eagle3pipe.params import DraftParams, Problem
 from eagle3pipe.verifier import VerifierInfo
@@ -117,12 +118,20 @@ def derive(draft: DraftParams, verifier: VerifierInfo, *, params_file: str = "pa
         bad("draft.aux_layer_ids", f"expected exactly {NUM_AUX} layer ids, got {len(ids)}; "
             "vLLM's EAGLE-3 fc takes exactly 3 aux hidden states",
             "list 3 ascending verifier layer ids")
+    decoder = {"model_type": verifier.model_type}
+    example = families.suggest_aux_ids(L, decoder) or "(none: fewer than 3 usable layers)"
     for i in ids:
         if not 0 <= i < L:
             bad("draft.aux_layer_ids",
                 f"layer id {i} is outside the verifier's layers 0..{L - 1} "
                 f"(num_hidden_layers={L} in {verifier.source})",
-                f"use ids in 0..{L - 1}, e.g. {[2, L // 2, L - 3] if L >= 6 else list(range(1, 4))}")
+                f"use ids in 0..{L - 1}, e.g. {example}")
+    if 0 in ids and not families.aux_zero_ok(decoder):
+        bad("draft.aux_layer_ids",
+            f"layer id 0 on a {verifier.model_type} verifier ({verifier.source}): vLLM's "
+            "DeepseekV2Model adds the residual before layer 0, which is None, and crashes "
+            "(\"unsupported operand type(s) for +: 'Tensor' and 'NoneType'\")",
+            f"use ids in 1..{L - 1}, e.g. {example}")
     if draft.draft_vocab_size > verifier.vocab_size:
         bad("draft.draft_vocab_size",
             f"{draft.draft_vocab_size} exceeds the verifier's vocab_size {verifier.vocab_size}",

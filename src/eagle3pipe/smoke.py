@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3pipe import engine, runtime, vllm_load
+from eagle3pipe import engine, preflight, runtime, vllm_load
 from eagle3pipe.errors import Error
 from eagle3pipe.verifier import Verifier
 
@@ -115,6 +115,7 @@ class Inputs:
     tokenizer: Any
     prompts: list[list[int]]
     settings: dict  # the run's vLLM engine settings (engine.settings_of)
+    verifier: Verifier
 
 
 def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path) -> Inputs:
@@ -122,7 +123,8 @@ def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | P
     longest prompt, its generation and one speculative step past it."""
     exports = export_dirs(export_dir)
     k = speculative_tokens(export_dir)
-    v = Verifier(verifier_dir)  # fails fast on a vanished or changed external checkpoint
+    # fails fast on a vanished or changed external checkpoint
+    v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tok = v.tokenizer()
     prompts = build_prompts(tok, s.num_prompts, s.seed)
     longest = max(map(len, prompts))
@@ -135,7 +137,7 @@ def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | P
                          f"({s.max_tokens}) + k + 1 = {need}",
                          fix=f"raise vllm.max_model_len to at least {need} or lower "
                          "smoke.max_tokens")
-    return Inputs(exports, k, v.model_dir, tok, prompts, settings)
+    return Inputs(exports, k, v.model_dir, tok, prompts, settings, v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,6 +381,11 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
     # one freeze of the imports' objects for the load checks and every engine
     with engine.frozen_heap():
         check_loads(s, inp)
+        limit = preflight.eagle3_limit(inp.verifier.config, inp.verifier.config_path,
+                                       preflight.on_cpu())
+        if limit:  # the verifier stage's preflight reported it up front
+            raise SmokeError(f"{limit.where}: {limit.message} (the exports passed vLLM's "
+                             "engine-less load check)", fix=limit.fix)
         reference, runs = run_engines(s, inp)
     results, failures = judge(s, inp.k, reference, runs, inp.tokenizer.decode)
     metrics = metrics_of(s, inp, reference, results, passed=not failures)

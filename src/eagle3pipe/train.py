@@ -39,7 +39,7 @@ import torch
 from eagle3pipe import arch as archmod
 from eagle3pipe.distributed import (Backend, Dist, all_reduce, autocast, backend_for,
                                     setup_distributed, teardown, wrap_model)
-from eagle3pipe import batches
+from eagle3pipe import batches, families
 from eagle3pipe.batches import Batches, TrainInputError, open_split
 from eagle3pipe.formats import eagle3_config, read_draft_config
 from eagle3pipe.vocab import load as vocab_load
@@ -91,6 +91,7 @@ def build_model(arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch.Te
     the verifier's embeddings, lm_head rows (t2d) and final norm loaded, as speculators does."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    families.register_with_transformers()  # speculators reads the verifier through AutoConfig
     config = speculator_config(arch, verifier_dir, speculative_tokens=speculative_tokens,
                                attn_impl=attn_impl)
     model = Eagle3DraftModel(config)

@@ -3,7 +3,10 @@
 `Verifier(artifacts/verifier)` answers everything a downstream stage asks of the verifier:
 where its weights are (`model_dir`; path mode checks the external checkpoint is still what the
 verifier stage fingerprinted), its decoder config (`config`, with a multimodal wrapper's
-`text_config` unwrapped), the sizes that fix the draft (`info`), and its tokenizer. Its dtype
+`text_config` unwrapped; `hf_config()` as transformers reads it, `kimi_k2` included), the prefix
+of the decoder's tensors in a wrapper (`weight_prefix`), the sizes that fix the draft (`info`),
+and its tokenizer. Every transformers load honours `vllm.trust_remote_code` (the one key, read
+by every stage that loads the verifier). Its dtype
 and parallelism in the engines are the params' `vllm:` section's (eagle3pipe.engine), the same
 in every stage. It never builds anything: building the embedded verifier, or fingerprinting a
 checkpoint, is the verifier stage's (verifier_stage.py, embedded.py), which only that stage
@@ -23,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from eagle3pipe import families
 from eagle3pipe.errors import Error
 from eagle3pipe.params import Problem
 from eagle3pipe.runtime import read_json_object
@@ -56,9 +60,7 @@ def read_config(path: str | Path) -> tuple[dict, dict, Path]:
                                               f"invalid JSON: {e.msg}", ""))) from None
     if not isinstance(whole, dict):
         raise VerifierConfigError(str(Problem(str(p), None, "(json)", "not a JSON object", "")))
-    text = whole.get("text_config")
-    decoder = text if "hidden_size" not in whole and isinstance(text, dict) else whole
-    return whole, decoder, p
+    return whole, whole["text_config"] if families.is_wrapper(whole) else whole, p
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,12 @@ def model_dir(verifier_dir: str | Path, *, verify: bool = True) -> Path:
 class Verifier:
     """A handle on the verifier stage's output directory (or a plain checkpoint directory)."""
 
-    def __init__(self, directory: str | Path, *, verify: bool = True):
+    def __init__(self, directory: str | Path, *, verify: bool = True,
+                 trust_remote_code: bool = False):
         self.dir = Path(directory)
         self.model_dir = model_dir(self.dir, verify=verify)
         self.whole_config, self.config, self.config_path = read_config(self.dir)
+        self.trust_remote_code = trust_remote_code
 
     @cached_property
     def info(self) -> VerifierInfo:
@@ -165,11 +169,33 @@ class Verifier:
         """A decoder config value, or None when the config does not have it."""
         return self.config.get(key)
 
+    def hf_config(self):
+        """The decoder's transformers config (a wrapper's text_config; kimi_k2 as DeepseekV3)."""
+        from transformers import AutoConfig
+
+        families.register_with_transformers()
+        cfg = AutoConfig.from_pretrained(str(self.dir), trust_remote_code=self.trust_remote_code)
+        return getattr(cfg, "text_config", None) or cfg
+
+    @cached_property
+    def weight_prefix(self) -> str:
+        """What precedes `model.embed_tokens.weight` in the checkpoint (`language_model.` in
+        Kimi-K2.5's; "" in a decoder-only one), from the safetensors headers."""
+        from safetensors import safe_open
+
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    if name.endswith("model.embed_tokens.weight"):
+                        return name[:-len("model.embed_tokens.weight")]
+        return ""
+
     def tokenizer(self, *, chat: bool = True):
         """The verifier's tokenizer (from the stage's copies); with chat, one with a template."""
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(self.dir))
+        tok = AutoTokenizer.from_pretrained(str(self.dir),
+                                            trust_remote_code=self.trust_remote_code)
         if chat and not tok.chat_template:
             raise VerifierError(f"{self.dir}: the verifier's tokenizer has no chat template\n"
                                 "    fix: use an instruction-tuned checkpoint (its "

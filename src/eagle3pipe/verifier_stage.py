@@ -11,7 +11,10 @@ Output directory (artifacts/verifier/), always: config.json, the tokenizer files
       changed header, size, config or tokenizer changes the stage's output and reruns them.
 
 Before anything is written, the verifier is checked against the draft params (arch.derive), so
-a params.yaml that cannot work with this verifier fails here, naming the key and the fix.
+a params.yaml that cannot work with this verifier fails here, naming the key and the fix, and
+the preflight (preflight.py) checks what the installed transformers and vLLM can do with the
+checkpoint: an error stops the stage, naming the verifier file and the fix; a limit of this
+machine's vLLM is logged and recorded in the metrics (`preflight_limits`).
 """
 from __future__ import annotations
 
@@ -46,19 +49,37 @@ COPY_LIMIT = 64 * 1024 * 1024
 
 def build(vp, out_dir: str | Path, *, draft=None, params_file: str = "params.yaml",
           lines: dict | None = None, base_dir: str | Path = ".", progress: bool = True,
-          tp: int = 1) -> dict:
+          tp: int = 1, engine: dict | None = None) -> dict:
     """Runs the verifier stage into out_dir (atomically) and returns its metrics.
 
     vp: the params' `verifier` section (a params.StageView or VerifierParams).
     draft: the params' `draft` section, used ONLY to validate the verifier against it (arch.derive
         raises ArchError naming the key); None skips that check. It never changes an output.
     base_dir: what a relative verifier.path is relative to (the project root, where DVC runs).
+    engine: {"trust_remote_code", "dtype"} of the params' `vllm:` section, for the preflight
+        (None skips it).
     """
+    pre = None if engine is None else (lambda d: preflight(d, engine, params_file, lines))
     if vp.path is None:
         return _run_embedded(vp.embedded, out_dir, draft=draft, params_file=params_file,
-                             lines=lines, progress=progress, tp=tp)
+                             lines=lines, progress=progress, tp=tp, pre=pre)
     return _run_path(Path(base_dir), vp.path, vp.hash_mode, out_dir, draft=draft,
-                     params_file=params_file, lines=lines, progress=progress, tp=tp)
+                     params_file=params_file, lines=lines, progress=progress, tp=tp, pre=pre)
+
+
+def preflight(d: Path, engine: dict, params_file: str, lines: dict | None) -> list[str]:
+    """preflight.check on the checkpoint in d: raises VerifierError on any error; returns the
+    limits (as text) after logging them."""
+    from eagle3pipe import preflight as pf
+
+    found = pf.check(d, trust_remote_code=engine["trust_remote_code"], dtype=engine["dtype"],
+                     params_file=params_file, lines=lines)
+    pf.report(found)
+    errors = [f for f in found if f.kind == "error"]
+    if errors:
+        raise VerifierError("the verifier preflight failed before any compute:\n"
+                            + "\n".join(f"  - {f}" for f in errors))
+    return [str(f) for f in found if f.kind == "limit"]
 
 
 def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
@@ -79,7 +100,7 @@ def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
     return arch.derive(draft, info, params_file=params_file, lines=lines)
 
 
-def _run_embedded(e, out_dir, *, draft, params_file, lines, progress, tp) -> dict:
+def _run_embedded(e, out_dir, *, draft, params_file, lines, progress, tp, pre) -> dict:
     if draft is not None:  # fail before building anything
         planned = VerifierInfo(
             source=f"{params_file} verifier.embedded (the embedded verifier to be built)",
@@ -96,6 +117,7 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress, tp) -> dic
         info = VerifierInfo.from_config(tmp / "config.json")
         if draft is not None:
             check_draft(draft, info, params_file=params_file, lines=lines, tp=tp)
+        limits = pre(tmp) if pre else []
         body = fp.fingerprint(tmp, "full", progress=False)
         manifest = {"mode": "embedded", "path": None, **{k: body[k] for k in ("files",
                                                                              "n_files",
@@ -105,11 +127,11 @@ def _run_embedded(e, out_dir, *, draft, params_file, lines, progress, tp) -> dic
     log.info("embedded build took %.1f s", time.perf_counter() - t0)
     return {"mode": "embedded", **metrics, "n_files": manifest["n_files"],
             "total_bytes": manifest["total_bytes"], "hidden_size": info.hidden_size,
-            "num_hidden_layers": info.num_hidden_layers}
+            "num_hidden_layers": info.num_hidden_layers, "preflight_limits": limits}
 
 
 def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_file, lines,
-              progress, tp) -> dict:
+              progress, tp, pre) -> dict:
     src = (base_dir / Path(path).expanduser()).resolve()
     if not src.is_dir():
         raise VerifierError(f"{params_file}: verifier.path: {path!r} ({src}) is not a directory"
@@ -118,6 +140,7 @@ def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_fi
     info = VerifierInfo.from_config(src / "config.json")  # decoder-only, hidden/layers/vocab
     if draft is not None:
         check_draft(draft, info, params_file=params_file, lines=lines, tp=tp)
+    limits = pre(src) if pre else []
     body, seconds = fp.timed_fingerprint(src, mode, progress=progress)
     log.info("%s-mode fingerprint of %s took %.3f s", mode, src, seconds)
     weights = [n for n in body["files"] if fp.kind_of(n) != "other"]
@@ -137,7 +160,8 @@ def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_fi
     return {"mode": mode, "path": str(src), "n_files": body["n_files"],
             "total_bytes": body["total_bytes"], "n_weight_files": len(weights),
             "hidden_size": info.hidden_size,
-            "num_hidden_layers": info.num_hidden_layers, "vocab_size": info.vocab_size}
+            "num_hidden_layers": info.num_hidden_layers, "vocab_size": info.vocab_size,
+            "preflight_limits": limits}
 
 
 def _copied(name: str, size: int) -> bool:
@@ -151,13 +175,14 @@ def _sha256(p: Path) -> str:
 
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stage.main): params.verifier -> paths.out; returns the metrics.
-    The `draft` section and vllm.tensor_parallel_size are read for VALIDATION ONLY
-    (for_validation): an impossible pairing fails here, before anything is written; the stages
-    that declare them repeat the checks."""
+    The `draft` section and vllm.tensor_parallel_size, .trust_remote_code and .dtype are read
+    for VALIDATION ONLY (for_validation): an impossible pairing fails here, before anything is
+    written; the stages that declare them repeat the checks."""
+    engine = params.for_validation("vllm")
     m = build(params.verifier, paths.out, draft=params.for_validation("draft"),
               params_file=params.params_file, lines=params.key_lines, base_dir=Path.cwd(),
-              progress=paths.progress,
-              tp=params.for_validation("vllm").tensor_parallel_size)
+              progress=paths.progress, tp=engine.tensor_parallel_size,
+              engine={"trust_remote_code": engine.trust_remote_code, "dtype": engine.dtype})
     log.info("wrote %s (%s)", paths.out,
              ", ".join(f"{k}={m[k]}" for k in ("mode", "n_files", "total_bytes")))
     return m

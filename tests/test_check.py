@@ -501,7 +501,8 @@ CORRUPT = [
     ("header_overlapping_tensors", "vllm", "bfloat16",
      _header(lambda h: {**h, "norm.weight": {**h["norm.weight"], "data_offsets":
                                              h["midlayer.hidden_norm.weight"]["data_offsets"]}}),
-     "(a gap or an overlap)"),
+     "{st}: not a safetensors file (header: tensor norm.weight: its data starts at byte 925696 "
+     "of the data section, the previous tensor's ends at 926208 (a gap or an overlap))"),
     ("header_metadata_not_strings", "vllm", "bfloat16",
      _header(lambda h: {**h, "__metadata__": {"format": 5}}),
      "{st}: not a safetensors file (header: __metadata__ {{\"format\": 5}} is not a map"),
@@ -519,7 +520,8 @@ CORRUPT = [
      "{cfg}:1: not UTF-8 text (byte 0xe9 at offset 20"),
     ("config_an_array", "vllm", "bfloat16", _file(lambda b: b"[" + b + b"]", "config.json"),
      "{cfg}: expected a JSON object, got a JSON array"),
-    ("config_nan_eps", "vllm", "bfloat16", _config(rms_norm_eps=NAN), "NaN is not JSON"),
+    ("config_nan_eps", "vllm", "bfloat16", _config(rms_norm_eps=NAN),
+     "{cfg}:32: NaN is not JSON"),
     ("config_without_head_dim", "vllm", "bfloat16", _config(head_dim=None),
      "{cfg}: missing keys ['head_dim']"),
     ("config_head_dim_a_string", "speculators", "bfloat16", _layer_config(head_dim="128"),

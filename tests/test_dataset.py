@@ -401,7 +401,8 @@ def _sample(**values) -> bytes:
     return json.dumps({**SAMPLE, **values}).encode()
 
 
-IDS_MSG, MASK_MSG = "input_ids must be a non-empty list of integers", "loss_mask must be a list "
+IDS_MSG = "input_ids must be a non-empty list of integers"
+MASK_MSG = "loss_mask must be a list of 0/1 with one entry per input id (2)"
 # (id, the bad line: line 2, after a good sample, what the message says after "FILE:2: ")
 MALFORMED_SAMPLES = [
     ("not_utf8", b'{"id": "caf\xe9", "input_ids": [1], "loss_mask": [1]}',
@@ -421,8 +422,7 @@ MALFORMED_SAMPLES = [
      "token id -1 outside the verifier vocabulary [0, 512)"),
     ("token_id_beyond_vocab", _sample(input_ids=[1, 512]),
      "token id 512 outside the verifier vocabulary [0, 512)"),
-    ("loss_mask_too_short", _sample(loss_mask=[1]), MASK_MSG + "of 0/1 with one entry per "
-     "input id (2)"),
+    ("loss_mask_too_short", _sample(loss_mask=[1]), MASK_MSG),
     ("loss_mask_of_2", _sample(loss_mask=[0, 2]), MASK_MSG),
     ("loss_mask_of_booleans", _sample(loss_mask=[False, True]), MASK_MSG),
     ("loss_mask_null", _sample(loss_mask=None), MASK_MSG),

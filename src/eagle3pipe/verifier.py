@@ -20,7 +20,6 @@ A directory without manifest.json (a plain Hugging Face checkpoint) is used as i
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -42,6 +41,10 @@ class VerifierConfigError(VerifierError):
     pass
 
 
+CONFIG_FIX = ("restore the checkpoint's config.json as its publisher ships it (or point "
+              "verifier.path at a decoder checkpoint directory)")
+
+
 def read_config(path: str | Path) -> tuple[dict, dict, Path]:
     """(whole config.json, its decoder part, the file) of a checkpoint dir or config file. A
     wrapper whose decoder sits under `text_config` (Kimi-K2.5, Llava-style) is unwrapped."""
@@ -53,13 +56,7 @@ def read_config(path: str | Path) -> tuple[dict, dict, Path]:
             str(p), None, "(file)", "verifier config.json not found",
             "set verifier.path to a Hugging Face checkpoint directory, or null for the "
             "embedded verifier")))
-    try:
-        whole = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise VerifierConfigError(str(Problem(str(p), e.lineno, "(json)",
-                                              f"invalid JSON: {e.msg}", ""))) from None
-    if not isinstance(whole, dict):
-        raise VerifierConfigError(str(Problem(str(p), None, "(json)", "not a JSON object", "")))
+    whole = read_json_object(p, VerifierConfigError, "fix: " + CONFIG_FIX, "verifier config.json")
     return whole, whole["text_config"] if families.is_wrapper(whole) else whole, p
 
 
@@ -87,7 +84,8 @@ class VerifierInfo:
         for k in ("hidden_size", "num_hidden_layers", "vocab_size"):
             if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
                 raise VerifierConfigError(str(Problem(
-                    str(p), None, k, f"must be a positive integer, got {cfg[k]!r}", "")))
+                    str(p), None, k, f"must be a positive integer, got {cfg[k]!r}",
+                    CONFIG_FIX)))
         return cls(source=str(p), hidden_size=cfg["hidden_size"],
                    num_hidden_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
                    num_attention_heads=cfg.get("num_attention_heads"),

@@ -11,7 +11,10 @@ path (underscores spelled as dashes), records the run ($EAGLE3PIPE_RUN_LOG), loa
 once into a view that refuses keys dvc.yaml does not declare for the stage (`for_stage`), sets up
 logging, calls the library's typed `run(params, paths) -> metrics`, and writes the metrics to
 `--metrics` when the stage declares that path. Every eagle3pipe.errors.Error becomes one report
-on stderr (file:line:key and the fix) and exit code errors.EXIT_CODE; nothing else is caught.
+on stderr (file:line:key and the fix) and exit code errors.EXIT_CODE, and so does a full disk
+(ENOSPC / EDQUOT from any writer: it names the output on the fullest filesystem and its free
+space; atomic outputs mean nothing partial was published); nothing else is caught. The stage
+process dies with its launcher (runtime.bind_to_launcher).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from ruamel.yaml import YAML
 
 from eagle3pipe import params as P
 from eagle3pipe.errors import EXIT_CODE, Error
-from eagle3pipe.runtime import record_run, write_json
+from eagle3pipe.runtime import bind_to_launcher, disk_full, free_bytes, record_run, write_json
 
 
 class UndeclaredParamError(Error, KeyError):
@@ -148,15 +151,22 @@ def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
          paths: tuple[str, ...], argv: list[str] | None = None, doc: str | None = None,
          exit: bool = True) -> int:
     """Runs one stage; returns (or exits with) 0, or errors.EXIT_CODE on an Error."""
+    if argv is None:  # this process is the stage (its command line): it dies with its launcher
+        bind_to_launcher()
     a, p = parse(stage, paths, argv, doc)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {stage}: %(message)s",
                         stream=sys.stderr)
     record_run(stage)
     try:
-        view = for_stage(stage, a.params, a.dvc_yaml)
-        metrics = run(view, p)
-        if "metrics" in paths:
-            write_json(p.metrics, metrics)
+        try:
+            view = for_stage(stage, a.params, a.dvc_yaml)
+            metrics = run(view, p)
+            if "metrics" in paths:
+                write_json(p.metrics, metrics)
+        except Exception as e:
+            if isinstance(e, Error) or not disk_full(e):
+                raise
+            raise no_space(stage, e, outputs_of(stage, a.dvc_yaml, p)) from None
         code = 0
     except Error as e:
         print(f"{stage}: error: {e}", file=sys.stderr)
@@ -164,3 +174,40 @@ def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
     if exit:
         sys.exit(code)
     return code
+
+
+def outputs_of(stage: str, dvc_yaml: str | os.PathLike, p: Paths) -> list[Path]:
+    """What the stage writes: its --out, --metrics and --plots paths, then the outs, metrics
+    and plots dvc.yaml lists for it (train's dvclive directory is only there)."""
+    outs = [getattr(p, n) for n in ("out", "metrics", "plots") if getattr(p, n, None)]
+    try:
+        body = YAML(typ="safe").load(Path(dvc_yaml).read_text())["stages"][stage]
+        outs += [Path(o if isinstance(o, str) else next(iter(o)))
+                 for kind in ("outs", "metrics", "plots") for o in body.get(kind) or []]
+    except Exception:  # noqa: BLE001 - only to name paths in an error message
+        pass
+    return list(dict.fromkeys(outs))
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def no_space(stage: str, exc: BaseException, outputs: list[Path]) -> Error:
+    """The report for a full disk: the output on the filesystem with the least space free
+    (measured after the atomic writer removed its partial output), the failing file when the
+    error names one, and the fix."""
+    failed = next((e.filename for e in (exc, exc.__cause__, exc.__context__)
+                   if isinstance(e, OSError) and e.filename), None)
+    where = min(outputs or [Path(failed or ".")], key=lambda o: free_bytes(o)[1])
+    fs, free = free_bytes(where)
+    also = f"; the write that failed: {failed}" if failed else ""
+    return Error(f"no space left on device writing {where} ({fs} has {_size(free)} free now "
+                 f"that the partial output is removed; nothing was published{also})",
+                 fix=f"free space on that filesystem, or put {where} on a larger one "
+                 f"(`eagle3pipe plan` prints the disk each stage writes); then rerun "
+                 f"`dvc repro {stage}`")

@@ -40,10 +40,17 @@ def tf_states(model, samples, aux_ids, batch_size: int, pad_id: int = 0):
 
 def write_split(model, samples, aux_ids, out: Path, dtype, batch_size: int, pad_id: int = 0):
     """The stage's writer (extract.write_split) fed by the transformers extractor."""
-    from eagle3pipe import extract as X
+    from safetensors.torch import save_file
 
-    X.write_split(out, samples, tf_states(model, samples, aux_ids, batch_size, pad_id), dtype,
-                  progress=False)
+    from eagle3pipe import extract as X
+    from eagle3pipe import store
+
+    st, entries = store.Store("hidden", out.parent / f".{out.name}-store"), {}
+    for i, h in tf_states(model, samples, aux_ids, batch_size, pad_id):
+        ids = torch.tensor(samples[i].input_ids, dtype=torch.long)
+        entries[i] = st.put(store.key(bench=str(out), i=i), lambda p: save_file(
+            {"token_ids": ids, "hidden_states": h.to(dtype).contiguous()}, str(p)))
+    X.write_split(out, samples, [entries[i] for i in range(len(samples))])
 
 
 def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size: int = 8,

@@ -18,6 +18,16 @@ MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layer
                       learning_rate=5e-3, seed=0, threads=2)
 
 
+@pytest.fixture(autouse=True)
+def private_store(tmp_path_factory, monkeypatch):
+    """Each test's in-process stages keep their per-sample store (eagle3pipe.store) in a
+    directory of its own, never the project's; pipeline.env() drops the variable, so that each
+    temporary DVC repo uses its own `.eagle3pipe/store`."""
+    from eagle3pipe import store
+
+    monkeypatch.setenv(store.STORE_ENV, str(tmp_path_factory.mktemp("store")))
+
+
 @pytest.fixture(scope="session")
 def micro_verifier(tmp_path_factory) -> Path:
     """A real HF checkpoint dir (config.json, model.safetensors, tokenizer with chat template)."""

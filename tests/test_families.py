@@ -211,3 +211,7 @@ def test_an_architecture_vllm_lacks_is_refused(deepseek_repo):
     cfg["architectures"] = ["NoSuchModelForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
     assert_refused(repo, f"{ckpt / 'config.json'}: architectures", "NoSuchModelForCausalLM")
+
+
+# the refusals above, for docs/inputs.md (tests/test_params.py::input_kinds)
+REFUSALS = [name for name in dir() if name.startswith("test_") and "refused" in name]

@@ -358,7 +358,9 @@ def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
     """(kind, what every refusal of that kind looks like, [(input, what it got, test)])."""
     import test_check as TC
     import test_dataset as TD
+    import test_families as TF
     import test_runtime as TR
+    import test_verifier as TV
 
     params = [(_code(new.strip()), _code(_params_message(replace_line(DEFAULT, needle, new)[0],
                                                          key)),
@@ -368,6 +370,12 @@ def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
                 "test_params.py::test_verifier_cross_checks")
                for needle, new, key, _ in CROSS_CASES]
     params += [(i, g, f"test_params.py::{t}") for i, g, t in PARAMS_OTHER]
+    verifier = list(VERIFIER_CONFIG_OTHER)
+    verifier += [(why, _code(f"FILE: ...{file}...: ...{say}..."),
+                  "test_verifier.py::test_malformed_verifier_is_refused_before_writing")
+                 for why, _, file, say in TV.BAD_VERIFIERS]
+    verifier += [(name.replace("test_", "").replace("_", " "), "refused through `dvc repro`",
+                  f"test_families.py::{name}") for name in TF.REFUSALS]
     generated = [(f"`{name}`: {_shown(raw)}", _code(f"FILE{_plain(what)}"),
                   f"test_runtime.py::test_broken_generated_json_names_file_line_and_fix "
                   f"(x {len(TR.READERS)} readers)") for name, (raw, what) in TR.BROKEN.items()]
@@ -389,7 +397,9 @@ def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
     return [
         ("params.yaml", "`eagle3pipe render/check/plan` and every stage: exit 2, "
          "`FILE:LINE: KEY: MESSAGE` + `    fix: ...`, nothing written", params),
-        ("verifier config.json", "TODO: added by the preflight work", VERIFIER_CONFIG_OTHER),
+        ("verifier checkpoint (config.json, tokenizer)", "the verifier stage, before it writes "
+         "anything (config checks and the preflight): exit 2, `FILE[: KEY]: MESSAGE` + "
+         "`    fix: ...`", verifier),
         ("generated JSON (capture.json, draft_config.json, an export's config.json, the "
          "verifier manifest)", "the reading stage: exit 2, `FILE:LINE: WHAT; FIX`, nothing "
          "written", generated),

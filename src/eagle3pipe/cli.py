@@ -1,4 +1,4 @@
-"""Command line: `eagle3pipe render`, `check` and `plan` (no DVC involved)."""
+"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps` and `gc`."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,34 @@ def cmd_deps(args) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """A byte count: 500000000, 500M, 50G, 1.5T (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        return int(float(t[:len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 50G)") from None
+
+
+def cmd_gc(args) -> int:
+    from eagle3pipe import store
+
+    r = store.gc(Path(args.repo), args.max_bytes, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"store {r['store']}: {r['entries']} entries, {r['bytes']:,} bytes; {verb} "
+          f"{r['removed']} unreferenced ({r['freed_bytes']:,} bytes); {r['bytes_after']:,} "
+          f"bytes left; {r['referenced']} keys referenced by dvc.lock, experiments or the "
+          "workspace")
+    if r["over_bound"]:
+        print(f"eagle3pipe gc: the referenced entries alone exceed --max-bytes "
+              f"{args.max_bytes:,}\n    fix: raise the bound, or drop old experiments "
+              "(`dvc exp remove`) and commits' outputs you no longer need", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3pipe", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -129,11 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
                     help="plan for the GPU path (default: whether torch sees a GPU)")
     pl.add_argument("--artifacts", default="artifacts", help="where the stages write")
+    g = sub.add_parser("gc", help="remove per-sample store entries no committed dvc.lock, "
+                       "experiment or workspace output refers to, oldest first")
+    g.add_argument("--max-bytes", type=_size, default=None,
+                   help="stop once the store is this small (e.g. 50G); default: remove every "
+                   "unreferenced entry")
+    g.add_argument("--dry-run", action="store_true")
+    g.add_argument("--repo", default=".", help="the project (its git refs and DVC cache)")
     args = ap.parse_args(argv)
     if args.cmd == "deps":
         return cmd_deps(args)
     try:
-        return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan}[args.cmd](args)
+        return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan,
+                "gc": cmd_gc}[args.cmd](args)
     except Error as e:
         print(f"eagle3pipe {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -39,8 +39,8 @@ from tqdm import tqdm
 
 from eagle3pipe import corpus
 from eagle3pipe.errors import Error
-from eagle3pipe import engine
-from eagle3pipe.runtime import atomic_dir
+from eagle3pipe import engine, store
+from eagle3pipe.runtime import atomic_dir, write_json
 from eagle3pipe.samples import (json_type, message_problem, parse_line as parse_json_line,
                                 write_jsonl)
 from eagle3pipe.verifier import Verifier
@@ -280,29 +280,56 @@ def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = Tru
 # Generation
 
 
-def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, *,
+GENERATE_CHUNK = 64  # prompts per engine call: a crash loses at most one chunk's replies
+
+
+def reply_keys(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict) -> list[str]:
+    """Each prompt's store key: what determines the verifier's greedy reply to it."""
+    base = {"stage": "dataset", "verifier": v.fingerprint, "engine": engine.numeric(settings),
+            "sampling": {"temperature": 0.0, "max_tokens": cfg.max_new_tokens,
+                         "seed": cfg.seed}}
+    return [store.key(**base, prompt=p.prompt_ids) for p in prompts]
+
+
+def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, keys: list[str], *,
              progress: bool = True) -> tuple[list[list[int]], list[str], dict]:
     """Greedy replies of the verifier (vLLM) to each prompt: (token ids, finish reasons, timing).
-    Token ids are exactly what the verifier produced, ending with its stop token if it stopped."""
-    t0 = time.perf_counter()
-    engine.environment(settings)  # before vLLM's import
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    Token ids are exactly what the verifier produced, ending with its stop token if it stopped.
+    Replies already in the store (eagle3pipe.store) under `keys` (reply_keys) are reused; the others are generated in
+    chunks of GENERATE_CHUNK prompts and stored as each chunk finishes; no engine starts when
+    none is missing. timing["computed"] counts the prompts generated now."""
+    replies = store.Store("dataset")
+    todo = list({k: i for i, k in enumerate(keys) if not replies.has(k)}.values())
+    timing = {"import_s": 0.0, "engine_start_s": 0.0, "generate_s": 0.0}
+    if todo:
+        t0 = time.perf_counter()
+        engine.environment(settings)  # before vLLM's import
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
-    t1 = time.perf_counter()
-    with engine.engine(settings, v.model_dir, tokenizer=v.dir) as llm:
-        t2 = time.perf_counter()
-        sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p.prompt_ids) for p in prompts],
-                            sampling, use_tqdm=progress)
-        t3 = time.perf_counter()
-    replies = [list(o.outputs[0].token_ids) for o in outs]
-    reasons = [str(o.outputs[0].finish_reason) for o in outs]
-    new_tokens = sum(len(r) for r in replies)
-    timing = {"import_s": round(t1 - t0, 2), "engine_start_s": round(t2 - t1, 2),
-              "generate_s": round(t3 - t2, 3), "new_tokens": new_tokens,
-              "new_tokens_per_s": round(new_tokens / max(t3 - t2, 1e-9), 1)}
-    return replies, reasons, timing
+        t1 = time.perf_counter()
+        with engine.engine(settings, v.model_dir, tokenizer=v.dir) as llm:
+            t2 = time.perf_counter()
+            sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens,
+                                      seed=cfg.seed)
+            bar = tqdm(total=len(todo), unit="prompt", desc="generate", disable=not progress)
+            for c in range(0, len(todo), GENERATE_CHUNK):
+                chunk = todo[c:c + GENERATE_CHUNK]
+                outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i].prompt_ids)
+                                     for i in chunk], sampling, use_tqdm=False)
+                for i, o in zip(chunk, outs):
+                    replies.put_json(keys[i], {"reply": list(o.outputs[0].token_ids),
+                                               "finish": str(o.outputs[0].finish_reason)})
+                bar.update(len(chunk))
+            bar.close()
+            t3 = time.perf_counter()
+        timing = {"import_s": round(t1 - t0, 2), "engine_start_s": round(t2 - t1, 2),
+                  "generate_s": round(t3 - t2, 3)}
+    got = [replies.get_json(k) for k in keys]
+    new_tokens = sum(len(g["reply"]) for g in got)
+    timing.update(new_tokens=new_tokens, computed=len(todo),
+                  new_tokens_per_s=round(new_tokens / max(timing["generate_s"], 1e-9), 1))
+    return [g["reply"] for g in got], [g["finish"] for g in got], timing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +409,8 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
                            f"({where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
     log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
-    replies, finish, timing = generate(v, prompts, cfg, settings, progress=progress)
+    keys = reply_keys(v, prompts, cfg, settings)
+    replies, finish, timing = generate(v, prompts, cfg, settings, keys, progress=progress)
     closer = closing_token_id(tokenizer)
     samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, replies)]
     for s in samples:  # guaranteed by check_settings; a broken guarantee must not pass silently
@@ -393,6 +421,9 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     with atomic_dir(out_dir) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "eval.jsonl", evals)
+        key_of = {p.id: k for p, k in zip(prompts, keys)}  # what `eagle3pipe gc` keeps
+        write_json(tmp / "store_keys.json", {"eval": [key_of[s["id"]] for s in evals],
+                                             "train": [key_of[s["id"]] for s in train]})
     metrics = {
         "source": report.source,
         "read": report.read,
@@ -411,6 +442,11 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
         "engine": engine.numeric(settings),
     }  # timings go to the log only: committed metrics must be byte-identical on rerun
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
+    # a prompt the store already had a reply for (a repeated prompt counts as reused)
+    counts = store.record("dataset", timing["computed"], len(samples) - timing["computed"],
+                          skipped, report.read)
+    log.info("store %s: %d replies generated, %d reused, %d lines skipped as bad",
+             counts["store"], counts["computed"], counts["reused"], counts["skipped"])
     log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
              "assistant; generation %.2f s (%.0f new tokens/s) after %.1f s engine start",
              metrics["read"], metrics["kept"], metrics["train"], metrics["eval"], skipped,

@@ -32,14 +32,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from eagle3pipe import families
+from eagle3pipe import families, store
 from eagle3pipe.runtime import atomic_dir, read_json_object, seed_everything, write_json
 from eagle3pipe.errors import Error
 from eagle3pipe.samples import Sample, read as read_split
@@ -219,27 +219,25 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def write_split(out_dir: Path, samples: list[Sample], states: Iterator[tuple[int, torch.Tensor]],
-                dtype: torch.dtype, *, progress: bool = True, desc: str = "extract") -> float:
-    """Writes one split: the tokenized rows, and hs_{i}.safetensors for every (i, hidden states
-    [T, n_slots, H]) that `states` yields (cast to `dtype`). Returns the seconds spent waiting
-    on `states` (the engine's share of the work)."""
+def write_split(out_dir: Path, samples: list[Sample], entries: list[Path]) -> int:
+    """Writes one split: the tokenized rows, and hs_{i}.safetensors for sample i, published
+    from its store entry (a hard link where the filesystem allows). Returns the links made."""
     out_dir.mkdir(parents=True, exist_ok=True)
     hs_dir = out_dir / "hidden_states"
     hs_dir.mkdir()
     _save_dataset(samples, out_dir)
-    bar = tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", desc=desc,
-               disable=not progress, mininterval=1.0)
-    seconds, t0 = 0.0, time.perf_counter()
-    for i, hidden in states:
-        seconds += time.perf_counter() - t0
-        ids = torch.tensor(samples[i].input_ids, dtype=torch.long)
-        save_file({"token_ids": ids, "hidden_states": hidden.to(dtype).contiguous()},
-                  str(hs_dir / f"hs_{i}.safetensors"))
-        bar.update(len(ids))
-        t0 = time.perf_counter()
-    bar.close()
-    return seconds
+    return sum(store.publish(entry, hs_dir / f"hs_{i}.safetensors")
+               for i, entry in enumerate(entries))
+
+
+def sample_keys(v: Verifier, samples: list[Sample], layer_ids: list[int], settings: dict,
+                dtype: str) -> list[str]:
+    """Each sample's store key: what determines its hidden states (eagle3pipe.store)."""
+    from eagle3pipe.engine import numeric
+
+    base = {"stage": "extract", "verifier": v.fingerprint, "engine": numeric(settings),
+            "layer_ids": layer_ids, "dtype": dtype}
+    return [store.key(**base, tokens=list(s.input_ids)) for s in samples]
 
 
 def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
@@ -262,9 +260,23 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     log.info("verifier %s: %d layers, H=%d; vLLM captures aux %s + pre-norm final, stored as "
              "%s", v.model_dir, v.info.num_hidden_layers, v.info.hidden_size, aux, e.dtype)
     out_dir = Path(out_dir)
+    layer_ids = aux + [v.info.num_hidden_layers]
+    keys = {name: sample_keys(v, ss, layer_ids, settings, e.dtype) for name, ss in splits.items()}
+    hs = store.Store("hidden")
     with atomic_dir(out_dir) as tmp:
-        seconds, kept = _capture_splits(v, splits, aux, tmp, settings, e, progress)
-        oracle = oracle_check(v, splits["train"], kept, aux, e)
+        seconds, computed = _capture_missing(v, splits, keys, hs, layer_ids, tmp, settings, e,
+                                             progress)
+        linked = 0
+        for name, samples in splits.items():
+            linked += write_split(tmp / name, samples, [hs.path(k) for k in keys[name]])
+            validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
+                           DTYPES[e.dtype])
+        total = sum(map(len, splits.values()))
+        stored = store.record("extract", computed, total - computed, 0, total, linked)
+        log.info("store %s: %d samples computed, %d reused, %d published as hard links",
+                 stored["store"], computed, total - computed, linked)
+        oracle = oracle_check(v, splits["train"], lambda i: load_file(
+            hs.path(keys["train"][i]))["hidden_states"], aux, e)
         counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
                          "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
                   for name, ss in splits.items()}
@@ -272,52 +284,54 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             "layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
             "slots": slot_names(aux), "hidden_size": spec.hidden_size,
             "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
-            "splits": counts})
+            "splits": counts, "store_keys": keys})  # what `eagle3pipe gc` keeps
     return _metrics(out_dir, spec, counts, seconds, settings, e, oracle)
 
 
-def _capture_splits(v: Verifier, splits: dict, aux: list[int], tmp: Path, settings: dict, e,
-                    progress: bool) -> tuple[float, dict[int, torch.Tensor]]:
-    """Both splits through one capturing engine, each validated from disk; returns the engine
-    seconds and the first extract.oracle_samples train samples' states as vLLM computed them."""
+def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[int],
+                     tmp: Path, settings: dict, e, progress: bool) -> tuple[float, int]:
+    """Captures, through one engine, every sample whose key the store lacks, each stored as
+    soon as the engine hands it over (a crash keeps what was finished). No engine starts when
+    nothing is missing. Returns (the engine's seconds, the samples computed)."""
     from eagle3pipe import capture, engine
 
-    layer_ids = aux + [v.info.num_hidden_layers]
-    kept: dict[int, torch.Tensor] = {}
-    seconds = 0.0
+    todo = [(name, i) for name, ss in splits.items() for i, k in enumerate(keys[name])
+            if not hs.has(k)]
+    todo = list({keys[n][i]: (n, i) for n, i in todo}.values())  # a repeated sample: once
+    if not todo:
+        return 0.0, 0
+    prompts = [list(splits[n][i].input_ids) for n, i in todo]
+    bar = tqdm(total=sum(map(len, prompts)), unit="tok", desc="extract", disable=not progress,
+               mininterval=1.0)
+    seconds, t0 = 0.0, time.perf_counter()
     with capture.storage_dir(tmp) as storage, engine.engine(
             settings, v.model_dir, tokenizer=v.dir, threads=e.threads,
             **capture.engine_config(layer_ids, Path(storage))) as llm:
-        for name, samples in splits.items():
-            states = capture.hidden_states(llm, [list(s.input_ids) for s in samples],
-                                           batch_size=e.batch_size)
-            if name == "train":
-                states = _keep(states, kept, e.oracle_samples)
-            seconds += write_split(tmp / name, samples, states, DTYPES[e.dtype],
-                                   progress=progress, desc=f"extract {name}")
-            validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
-                           DTYPES[e.dtype])
-    return seconds, kept
-
-
-def _keep(states: Iterator[tuple[int, torch.Tensor]], kept: dict, n: int):
-    for i, hidden in states:
-        if i < n:
-            kept[i] = hidden.clone()
-        yield i, hidden
+        for j, hidden in capture.hidden_states(llm, prompts, batch_size=e.batch_size):
+            seconds += time.perf_counter() - t0
+            ids = torch.tensor(prompts[j], dtype=torch.long)
+            n, i = todo[j]
+            hs.put(keys[n][i], lambda p: save_file(
+                {"token_ids": ids, "hidden_states": hidden.to(DTYPES[e.dtype]).contiguous()},
+                str(p)))
+            bar.update(len(ids))
+            t0 = time.perf_counter()
+    bar.close()
+    return seconds, len(todo)
 
 
 def slot_names(aux: list[int]) -> list[str]:
     return [f"layer_input_{i}" for i in aux] + ["final_pre_norm"]
 
 
-def oracle_check(v: Verifier, samples: list[Sample], engine_states: dict[int, torch.Tensor],
+def oracle_check(v: Verifier, samples: list[Sample], stored: Callable[[int], torch.Tensor],
                  aux: list[int], e) -> dict:
     """The transformers extractor (eagle3pipe.capture.tf_capture, float32) on the first
-    extract.oracle_samples training samples, against what vLLM captured: the largest relative
-    error ||vllm - hf|| / ||hf|| per slot. Above extract.oracle_tolerance the stage fails,
-    naming the slot and layer. Skipped (and said so) when the weights would not fit in host
-    memory."""
+    extract.oracle_samples training samples, against what the stage publishes (`stored(i)`:
+    vLLM's capture as stored, in extract.dtype, so the comparison includes that rounding, ~2e-3
+    for bfloat16): the largest relative error ||stored - hf|| / ||hf|| per slot. Above
+    extract.oracle_tolerance the stage fails, naming the slot and layer. Skipped (and said so)
+    when the weights would not fit in host memory."""
     from eagle3pipe import capture
 
     n = min(e.oracle_samples, len(samples))
@@ -332,7 +346,7 @@ def oracle_check(v: Verifier, samples: list[Sample], engine_states: dict[int, to
     for i in range(n):
         ids = torch.tensor([samples[i].input_ids], dtype=torch.long)
         ref = capture.tf_capture(model, ids, None, aux)[0]
-        got = engine_states[i].to(ref.dtype)
+        got = stored(i).to(ref.dtype)
         for k in range(len(worst)):
             err = float((got[:, k] - ref[:, k]).norm() / ref[:, k].norm().clamp_min(1e-30))
             worst[k] = max(worst[k], err)

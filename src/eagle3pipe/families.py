@@ -46,7 +46,9 @@ def is_wrapper(whole: dict) -> bool:
 
 
 def is_mla(decoder: dict) -> bool:
-    return decoder.get("kv_lora_rank") is not None
+    """An MLA decoder: its config has kv_lora_rank, or its type is one (a config stripped of
+    the MLA fields is still served by vLLM's MLA code)."""
+    return decoder.get("kv_lora_rank") is not None or decoder_type(decoder) in MLA_TYPES
 
 
 def aux_zero_ok(decoder: dict) -> bool:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3pipe import arch as A
+from eagle3pipe import families
 from eagle3pipe import params as P
 from eagle3pipe.verifier import VerifierInfo, read_config
 
@@ -28,7 +28,6 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # float32 weights + grads + AdamW's two moments
 TOKEN_ROW_BYTES = 8 + 8  # input_ids + loss_mask, int64, per token (extract's Arrow rows)
 HS_TOKEN_IDS_BYTES = 8  # token_ids int64 beside every hs_{i}.safetensors' hidden_states
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
 @dataclass
@@ -133,7 +132,7 @@ def config_param_estimate(cfg: dict) -> tuple[int, str]:
             else "dense (the config has no n_routed_experts/num_experts)")
     attn = "MLA" if "kv_lora_rank" in cfg else "GQA"
     how = f"estimated from config.json shapes: {kind}, {attn} attention"
-    if cfg.get("model_type") in MLA_MODEL_TYPES and not (experts and attn == "MLA"):
+    if families.decoder_type(cfg) in families.MLA_TYPES and not (experts and attn == "MLA"):
         how += (f" (model_type {cfg['model_type']} is MoE with MLA, but the config lacks "
                 "n_routed_experts/moe_intermediate_size/kv_lora_rank...: far below the real "
                 "checkpoint)")
@@ -183,17 +182,55 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+FREE_BYTES_ENV = "EAGLE3PIPE_FREE_BYTES"  # what-if (and tests): the free disk to plan against
+
+
 def disk_problem(bytes_needed: int, path: str | Path, key: str) -> str | None:
     """A message when `bytes_needed` exceed the free disk where `path` (or its nearest existing
-    parent) lives; None when it fits. `key` is the params key that sizes the output."""
-    where = Path(path).resolve()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    free = shutil.disk_usage(where).free
+    parent) lives; None when it fits. `key` is the params key that sizes the output.
+    $EAGLE3PIPE_FREE_BYTES stands in for the measured free space."""
+    from eagle3pipe.runtime import free_bytes
+
+    where, free = free_bytes(path)
+    if os.environ.get(FREE_BYTES_ENV):
+        free = int(os.environ[FREE_BYTES_ENV])
     if bytes_needed <= free:
         return None
     return (f"{path}: {key}: needs {human(bytes_needed)} but {where} has {human(free)} free"
             f"\n    fix: free disk there, put {path} on a larger disk, or lower {key}")
+
+
+# the params key that sizes each stage's output (disk_problem's `key`)
+SIZED_BY = {"verifier": "verifier.embedded", "dataset": "dataset.num_samples",
+            "extract": "dataset.num_samples", "train": "draft (its size) and train.epochs",
+            "export": "draft (its size)"}
+
+
+def stage_report(stage: str, params_file: str | Path, out: str | Path | None
+                 ) -> tuple[list[str], str | None]:
+    """What `eagle3pipe plan` says about one stage (its table row and notes, for the start of
+    the stage's log), and a refusal when its output would not fit on the free disk of the
+    filesystem it is written to (None when it fits). ([], None) when there is no verifier
+    config to plan from yet (the embedded verifier before the verifier stage built it)."""
+    from eagle3pipe.formats import ConfigError, default_verifier_config
+
+    params = P.load(params_file)
+    try:
+        vcfg = default_verifier_config(params.verifier.path)
+    except ConfigError:
+        return [], None
+    p = build(params, vcfg, artifacts=Path(out).parent if out else "artifacts")
+    row = next((s for s in p.stages if s.name == stage), None)
+    if row is None:
+        return [], None
+    lines = [f"plan ({'GPU' if p.gpu else 'CPU'}): {row.engine}, {row.processes} process(es), "
+             f"tokens {row.tokens if row.tokens is not None else '-'}, disk "
+             f"{human(row.disk_bytes)}, memory/device {human(row.device_bytes)}, host "
+             f"{human(row.host_bytes)}"] + [f"plan: {n}" for n in row.notes]
+    lines += [f"plan problem: {x.splitlines()[0]}" for x in p.problems]
+    if out is None or not row.disk_bytes:
+        return lines, None
+    return lines, disk_problem(row.disk_bytes, out, SIZED_BY.get(stage, stage))
 
 
 def human(n: float | None) -> str:
@@ -308,11 +345,11 @@ def _heads_problems(params: P.Params, cfg: dict, bad) -> None:
 def _machine_problems(params: P.Params, cfg: dict, f: _Figures, bad) -> None:
     """vLLM's known limits on this machine (CPU build vs the GPU path)."""
     v = params.vllm
-    mla = cfg.get("model_type") in MLA_MODEL_TYPES or "kv_lora_rank" in cfg
-    if mla and not f.gpu:
-        bad("verifier.path", f"the verifier is an MLA model ({cfg.get('model_type')}); vLLM's "
-            "CPU build cannot run EAGLE-3 speculative decoding on an MLA target (a limit of "
-            "vLLM, not of this project)", "run on the GPU path (a CUDA build of vLLM on GPUs)")
+    from eagle3pipe.preflight import eagle3_limit
+
+    limit = eagle3_limit(cfg, "the verifier config", cpu=not f.gpu)  # the preflight's words
+    if limit:
+        bad("verifier.path", limit.message, limit.fix)
     ranks = v.tensor_parallel_size * v.pipeline_parallel_size
     if not f.gpu and ranks > 1 and v.cpu_omp_threads_bind == "auto":
         bad("vllm.cpu_omp_threads_bind", f"auto with TP x PP = {ranks} ranks on vLLM's CPU "

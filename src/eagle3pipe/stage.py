@@ -160,6 +160,7 @@ def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
     try:
         try:
             view = for_stage(stage, a.params, a.dvc_yaml)
+            plan_check(stage, a.params, getattr(p, "out", None))
             metrics = run(view, p)
             if "metrics" in paths:
                 write_json(p.metrics, metrics)
@@ -174,6 +175,19 @@ def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
     if exit:
         sys.exit(code)
     return code
+
+
+def plan_check(stage: str, params_file: str | os.PathLike, out: Path | None) -> None:
+    """`eagle3pipe plan`'s row for this stage at the start of its log, and a refusal (before
+    any compute) when its output would not fit on the free disk where it is written. Like
+    for_validation, the plan reads the whole params file; it changes no output."""
+    from eagle3pipe import plan
+
+    lines, problem = plan.stage_report(stage, params_file, out)
+    for line in lines:
+        logging.getLogger(f"eagle3pipe.{stage}").info("%s", line)
+    if problem:
+        raise Error(problem)
 
 
 def outputs_of(stage: str, dvc_yaml: str | os.PathLike, p: Paths) -> list[Path]:

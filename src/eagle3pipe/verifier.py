@@ -163,6 +163,22 @@ class Verifier:
     def info(self) -> VerifierInfo:
         return VerifierInfo.from_config(self.config_path)
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 of what the verifier stage fingerprinted (its manifest.json: config,
+        tokenizer, weights' headers or bytes); for a plain checkpoint dir, of its headers-mode
+        fingerprint (eagle3pipe.fingerprint)."""
+        import hashlib
+
+        f = self.dir / MANIFEST
+        if f.is_file():
+            return hashlib.sha256(f.read_bytes()).hexdigest()
+        from eagle3pipe import fingerprint as fp
+        from eagle3pipe.runtime import dumps
+
+        body = fp.fingerprint(self.model_dir, "headers", progress=False)
+        return hashlib.sha256(dumps(body).encode()).hexdigest()
+
     def get(self, key: str) -> Any:
         """A decoder config value, or None when the config does not have it."""
         return self.config.get(key)

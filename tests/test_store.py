@@ -1,0 +1,135 @@
+"""The per-sample store (eagle3pipe.store) through real DVC: a SIGKILLed extract resumes with
+only the unfinished samples and publishes the same bytes as an uninterrupted run; a grown
+prompt set computes only the new samples; new aux layer ids re-extract everything and
+regenerate nothing; `eagle3pipe gc` keeps what dvc.lock, experiments and the workspace refer
+to. What a run computed is read from .eagle3pipe/runs/<stage>.json (store.record)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline import (FAULT_TAG, digest, get_param, kill_group, make_repo, repro, set_param,
+                      sh, start, wait_for)
+
+pytestmark = pytest.mark.slow
+
+
+def counts(repo: Path, stage: str) -> dict:
+    return json.loads((repo / ".eagle3pipe/runs" / f"{stage}.json").read_text())
+
+
+def entries(repo: Path, kind: str) -> list[Path]:
+    return sorted((repo / ".eagle3pipe/store" / kind).glob("??/*"))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """The micro pipeline up to extract, 2 samples per engine call (so a kill lands between
+    samples), cold, committed."""
+    r = make_repo(tmp_path_factory.mktemp("store") / "repo")
+    set_param(r, "extract.batch_size", 2)
+    assert repro(r, "extract") == {"verifier", "configs", "dataset", "extract"}
+    sh(r, "git", "add", "-A")
+    sh(r, "git", "commit", "-qm", "cold run")
+    return r
+
+
+def test_a_cold_run_computes_everything_and_publishes_links(repo):
+    n = get_param(repo, "dataset.num_samples")
+    assert counts(repo, "dataset")["computed"] == n and counts(repo, "dataset")["reused"] == 0
+    ex = counts(repo, "extract")
+    assert ex["computed"] == ex["total"] == n and ex["published_as_links"] == n
+    hs = repo / "artifacts/hidden/train/hidden_states/hs_0.safetensors"
+    assert hs.stat().st_nlink >= 2  # the store entry and the published file: one copy on disk
+    assert len(entries(repo, "hidden")) == n and len(entries(repo, "dataset")) == n
+
+
+def test_extract_killed_half_way_resumes_with_the_rest_and_the_same_bytes(repo):
+    before = digest(repo / "artifacts/hidden")
+    n = get_param(repo, "dataset.num_samples")
+    shutil.rmtree(repo / ".eagle3pipe/store/hidden")
+    tag = "store-kill"
+    proc = start(repo, "dvc", "repro", "-f", "-s", "extract", env_extra={FAULT_TAG: tag})
+    try:
+        wait_for("4 stored samples", lambda: len(entries(repo, "hidden")) >= 4, timeout=300,
+                 proc=proc, log=repo.parent / "repo.repro.log")
+    finally:
+        assert kill_group(proc, tag) == {}  # every process of the run is gone
+    done = len(entries(repo, "hidden"))
+    assert 4 <= done < n, f"killed after {done} of {n}"
+    assert not (repo / "artifacts/hidden/manifest.json").exists()  # nothing half published
+    # DVC would restore the old output from its cache (the lock is unchanged): run for real
+    assert repro(repo, "-f", "-s", "extract") == {"extract"}
+    assert counts(repo, "extract")["computed"] == n - done
+    assert counts(repo, "extract")["reused"] == done
+    assert digest(repo / "artifacts/hidden") == before
+
+
+def test_growing_the_prompts_computes_only_the_new_samples(repo):
+    n = get_param(repo, "dataset.num_samples")
+    set_param(repo, "dataset.num_samples", n + 2)
+    try:
+        ran = repro(repo, "extract")
+        assert {"dataset", "extract"} <= ran
+        assert counts(repo, "dataset")["computed"] == 2
+        assert counts(repo, "dataset")["reused"] == n
+        assert counts(repo, "extract")["computed"] == 2
+        assert counts(repo, "extract")["reused"] == n
+    finally:
+        set_param(repo, "dataset.num_samples", n)
+        repro(repo, "extract")
+        sh(repo, "git", "checkout", "--", ".")
+
+
+def test_new_aux_layer_ids_reextract_everything_and_regenerate_nothing(repo):
+    n = get_param(repo, "dataset.num_samples")
+    sh(repo, "eagle3pipe", "gc")  # what earlier tests left unreferenced
+    assert len(entries(repo, "hidden")) == len(entries(repo, "dataset")) == n
+    old = get_param(repo, "draft.aux_layer_ids")
+    set_param(repo, "draft.aux_layer_ids", [0, 2, 3])
+    try:
+        ran = repro(repo, "extract")
+        assert "dataset" not in ran and "extract" in ran
+        assert counts(repo, "extract")["computed"] == n
+        hidden = len(entries(repo, "hidden"))
+        r = sh(repo, "eagle3pipe", "gc", "--dry-run")
+        assert "would remove 0 unreferenced" in r.stdout, r.stdout  # workspace + dvc.lock
+    finally:
+        set_param(repo, "draft.aux_layer_ids", old)
+        repro(repo, "extract")
+        sh(repo, "git", "checkout", "--", ".")
+    # the [0, 2, 3] entries are now referenced by nothing: gc removes exactly those
+    r = sh(repo, "eagle3pipe", "gc")
+    assert f"removed {n} unreferenced" in r.stdout, r.stdout
+    assert len(entries(repo, "hidden")) == hidden - n
+    assert len(entries(repo, "dataset")) == n
+    assert repro(repo, "extract") == set()
+
+
+def test_gc_with_a_bound_below_the_referenced_entries_says_so(repo):
+    r = sh(repo, "eagle3pipe", "gc", "--max-bytes", "1K", check=False)
+    assert r.returncode == 1
+    assert "referenced entries alone exceed --max-bytes 1,024" in r.stderr
+    assert "removed 0 unreferenced" in r.stdout
+
+
+def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
+    """The stage runner's plan check (eagle3pipe.plan.stage_report) before any compute; the
+    free-space figure is faked with $EAGLE3PIPE_FREE_BYTES."""
+    import subprocess
+
+    from pipeline import env
+
+    before = digest(repo / "artifacts/dataset")
+    r = subprocess.run(["dvc", "repro", "-f", "-s", "dataset"], cwd=repo, capture_output=True,
+                       text=True, env={**env(repo), "EAGLE3PIPE_FREE_BYTES": "999"})
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "artifacts/dataset: dataset.num_samples: needs" in out and "999 B free" in out, out
+    assert "fix: free disk there" in out and "Traceback" not in out
+    assert "plan (CPU): vLLM TP1" in out  # the plan's row opens the stage's log
+    assert not (repo / "artifacts/dataset").exists() or digest(repo / "artifacts/dataset") == before
+    sh(repo, "dvc", "checkout", "-q")

@@ -338,3 +338,21 @@ def test_malformed_verifier_is_refused_before_writing(micro_verifier_copy, tmp_p
     assert str(micro_verifier_copy) in text and file in text and say in text, text
     assert "fix" in text, text
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3", "kimi_k2"])
+def test_suggested_aux_ids_are_themselves_valid(model_type):
+    """The aux-id fix a refusal suggests passes the same checks (arch.derive): three distinct,
+    ascending ids inside the verifier, none 0 where vLLM's DeepseekV2Model crashes on it; for 6
+    layers it is not vLLM's fallback (2, 3, 3)."""
+    from eagle3pipe import families
+    from eagle3pipe.arch import derive
+
+    for layers in range(4, 81):
+        ids = families.suggest_aux_ids(layers, {"model_type": model_type})
+        info = verifier.VerifierInfo("cfg", 256, layers, 4096, 4, None, None, model_type, ())
+        derive(draft(aux_layer_ids=ids), info)  # raises on an invalid suggestion
+        assert len(set(ids)) == 3
+    assert families.suggest_aux_ids(6, {"model_type": "llama"}) == [2, 3, 5]
+    assert families.suggest_aux_ids(4, {"model_type": "kimi_k2"}) == [1, 2, 3]
+    assert families.suggest_aux_ids(3, {"model_type": "kimi_k2"}) is None

@@ -64,7 +64,7 @@ def suggest_aux_ids(num_layers: int, decoder: dict | None = None) -> list[int] |
     if len(legal) < 3:
         return None
     want = sorted({min(max(i, low), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
-    for i in legal:  # fill to three with the lowest unused legal ids
+    for i in reversed(legal):  # fill to three with the deepest unused legal ids
         if len(want) == 3:
             break
         if i not in want:

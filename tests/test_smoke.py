@@ -6,6 +6,7 @@ process-wide, which must not leak into other tests.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -83,6 +84,149 @@ def test_draft_helper_writes_what_the_contract_check_accepts(micro_verifier, tmp
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
     for layout in ("vllm", "speculators"):
         assert check.check_checkpoint(tmp_path / "export" / layout, arch) == []
+
+
+def test_k_sweep_is_checked_and_includes_the_serving_k():
+    import types
+
+    def ks(sweep):
+        return smoke.sweep_ks(types.SimpleNamespace(k_sweep=sweep), 3,
+                              lambda key: "params.yaml:99")
+
+    assert ks([5, 1, 2]) == [1, 2, 3, 5] and ks([]) == []
+    with pytest.raises(smoke.SmokeError, match=r"params.yaml:99: smoke.k_sweep: 0 is not a "
+                                               r"positive integer[\s\S]*fix: list k values"):
+        ks([1, 0])
+    with pytest.raises(smoke.SmokeError, match=r"lists a k twice[\s\S]*fix: list each k once: "
+                                               r"\[1, 2\]"):
+        ks([1, 2, 1])
+
+
+def _pass(seconds: dict, tokens: dict) -> smoke.Pass:
+    return smoke.Pass([], seconds, tokens)
+
+
+def test_speed_and_speedup_are_medians_with_their_spread():
+    """Numbers given, not measured: tokens/s of each pass, its median/min/max, and the speedup
+    as the ratio of medians with the per-round ratios' spread and the best-of ratio."""
+    ref = [_pass({"a": 2.0, "b": 2.0}, {"a": 100, "b": 100}),  # 50 tokens/s
+           _pass({"a": 1.0, "b": 1.0}, {"a": 100, "b": 100}),  # 100
+           _pass({"a": 4.0, "b": 4.0}, {"a": 100, "b": 100})]  # 25
+    fast = [_pass({"a": 1.0, "b": 1.0}, {"a": 100, "b": 100}),  # 100 (x2.0 in its round)
+            _pass({"a": 1.0, "b": 0.25}, {"a": 100, "b": 100}),  # 160 (x1.6)
+            _pass({"a": 1.0, "b": 3.0}, {"a": 100, "b": 100})]  # 50 (x2.0)
+    s = smoke.speed(ref)
+    assert s["output_tokens_per_s"] == {"median": 50.0, "min": 25.0, "max": 100.0}
+    assert s["ms_per_output_token"] == {"median": 20.0, "min": 10.0, "max": 40.0}
+    assert s["seconds"] == [4.0, 2.0, 8.0]
+    assert smoke.speedup(fast, ref) == {"median": 2.0, "min": 1.6, "max": 2.0, "best": 1.6}
+    # one domain: b's batches alone (50, 100, 25 vs 100, 400, 33.3 tokens/s)
+    assert smoke.speedup(fast, ref, ["b"])["median"] == 2.0
+    assert smoke.speed(fast, ["b"])["output_tokens_per_s"]["max"] == 400.0
+
+
+def _tokenizer(verifier):
+    from eagle3pipe.verifier import Verifier
+
+    return Verifier(verifier).tokenizer()
+
+
+def _line(messages, **extra) -> str:
+    return json.dumps({"messages": messages, **extra})
+
+
+USER = [{"role": "user", "content": "def add(a, b):"}]
+# (what the line holds, the message it must give: each names file:line and has a fix)
+BAD_PROMPT_LINES = [
+    ("not JSON", '{"messages": [', r"not valid JSON"),
+    ("not UTF-8", b'{"messages": "\xff"}', r"not UTF-8"),
+    ("an array", "[1, 2]", r"the line is a JSON array, not an object"),
+    ("no messages", '{"domain": "code"}', r'no "messages"'),
+    ("messages not a list", '{"messages": "hi"}', r'"messages" is a JSON string'),
+    ("empty messages", '{"messages": []}', r'"messages" is empty'),
+    ("a bad role", _line([{"role": "tool", "content": "x"}]),
+     r"messages\[0\]\.role is 'tool', not one of system, user, assistant"),
+    ("content not a string", _line([{"role": "user", "content": 3}]),
+     r"messages\[0\]\.content is 3, not a string"),
+    ("ends with the assistant", _line(USER + [{"role": "assistant", "content": "x"}]),
+     r"the last turn is 'assistant'"),
+    ("an empty domain", _line(USER, domain=""), r'"domain" is \'\', not a non-empty string'),
+    ("a numeric domain", _line(USER, domain=7), r'"domain" is \'7\', not a non-empty string'),
+]
+
+
+@pytest.mark.parametrize("what,line,message", BAD_PROMPT_LINES,
+                         ids=[c[0] for c in BAD_PROMPT_LINES])
+def test_bad_prompt_line_names_file_line_and_fix(micro_verifier, tmp_path, what, line,
+                                                 message):
+    path = tmp_path / "prompts" / "bad.jsonl"
+    path.parent.mkdir()
+    raw = line if isinstance(line, bytes) else line.encode()
+    path.write_bytes(_line(USER, domain="ok").encode() + b"\n\n" + raw + b"\n")
+    with pytest.raises(smoke.SmokeError) as e:
+        smoke.read_prompts(path, _tokenizer(micro_verifier), 10, lambda key: "params.yaml:7")
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:3: ") and re.search(message, msg), msg
+    assert "smoke.prompts at params.yaml:7" in msg and "\n    fix: " in msg, msg
+
+
+def test_prompts_file_domains_limit_and_bom(micro_verifier, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join([
+        _line(USER, domain="code"), "", _line([{"role": "system", "content": "be brief"},
+                                              *USER]),
+        _line(USER, domain="code"), _line(USER, domain="never read")]).encode())
+    got = smoke.read_prompts(path, _tokenizer(micro_verifier), 3)
+    assert [(p.domain, p.source) for p in got] == [
+        ("code", f"{path}:1"), ("default", f"{path}:3"), ("code", f"{path}:4")]
+    assert len(got[1].ids) > len(got[0].ids)  # the system turn is in the prompt
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(smoke.SmokeError, match=r"empty.jsonl: no prompt in it"):
+        smoke.read_prompts(empty, _tokenizer(micro_verifier), 3)
+
+
+def test_prompts_must_lie_in_the_stages_dvc_dep(tmp_path, monkeypatch):
+    """smoke.prompts is a file in prompts/, the directory dvc.yaml lists as a dep of the smoke
+    stage: editing it reruns the stage. A file elsewhere would not, so it is refused."""
+    from ruamel.yaml import YAML as _YAML
+
+    body = _YAML(typ="safe").load((ROOT / "dvc.yaml").read_text())["stages"]["smoke"]
+    assert smoke.PROMPTS_DIR in body["deps"]
+    assert (ROOT / smoke.PROMPTS_DIR).is_dir()  # a fresh clone has it (DVC needs the dep)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "x.jsonl").write_text(_line(USER) + "\n")
+    (tmp_path / "elsewhere.jsonl").write_text(_line(USER) + "\n")
+    assert smoke.prompts_path("prompts/x.jsonl") == Path("prompts/x.jsonl")
+    assert smoke.prompts_path("./prompts/x.jsonl") == Path("prompts/x.jsonl")
+    for bad in ("elsewhere.jsonl", str(tmp_path / "prompts" / "x.jsonl"),
+                "prompts/../elsewhere.jsonl", "prompts"):
+        with pytest.raises(smoke.SmokeError, match=r"params.yaml:3: smoke.prompts: .* is not "
+                                                   r"inside prompts/[\s\S]*fix: put the file"):
+            smoke.prompts_path(bad, lambda key: "params.yaml:3")
+    with pytest.raises(smoke.SmokeError, match=r"prompts/y.jsonl not found"):
+        smoke.prompts_path("prompts/y.jsonl")
+
+
+def test_wall_clock_outputs_stay_out_of_dvc_lock():
+    """The timing file and the speedup plot are listed by `dvc metrics show` / `dvc plots
+    show` (top-level entries) but are no stage's output: dvc.lock holds only deterministic
+    hashes, and no stage can depend on a timing."""
+    from ruamel.yaml import YAML as _YAML
+
+    doc = _YAML(typ="safe").load((ROOT / "dvc.yaml").read_text())
+    outs = {o if isinstance(o, str) else next(iter(o)) for body in doc["stages"].values()
+            for kind in ("outs", "metrics", "plots") for o in body.get(kind) or []}
+    timing = f"metrics/{smoke.TIMING_NAME}"
+    speedup = f"plots/{smoke.K_SPEEDUP_NAME}"
+    assert timing not in outs and speedup not in outs
+    assert f"plots/{smoke.K_ACCEPTANCE_NAME}" in outs  # deterministic: a stage output
+    assert timing in doc["metrics"]
+    plotted = {f for p in doc["plots"] for d in p.values() for f in d["y"]}
+    assert {speedup, f"plots/{smoke.K_ACCEPTANCE_NAME}"} <= plotted
+    assert all(next(iter(p.values()))["x"] == "k" for p in doc["plots"]
+               if next(iter(p)) in ("smoke_k_acceptance", "smoke_k_speedup"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +326,7 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
     s = types.SimpleNamespace(num_prompts=2, max_tokens=8,
                               min_acceptance_length=1.0, min_gain_over_ngram=0.0,
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
-                              threads=2)
+                              threads=2, prompts=None, k_sweep=[1, 3], timing_rounds=1)
     with pytest.raises(smoke.SmokeError) as e:
         smoke.measure(s, engine_settings(), export_dir=tmp_path / "export",
                       verifier_dir=micro_verifier, plots_path=tmp_path / "p.json")
@@ -243,9 +387,12 @@ def test_engine_helper_restores_what_vllm_changes(micro_verifier, tmp_path):
 
 
 def _params(tmp_path: Path, **smoke_overrides) -> Path:
+    """The default params.yaml with a small smoke section: 2 prompts, no k sweep, 1 timed
+    round, unless overridden."""
     yaml = YAML(typ="rt")
     doc = yaml.load((ROOT / "params.yaml").read_text())
-    for k, v in dict(num_prompts=2, max_tokens=MAX_TOKENS, **smoke_overrides).items():
+    small = dict(num_prompts=2, max_tokens=MAX_TOKENS, k_sweep=[], timing_rounds=1)
+    for k, v in {**small, **smoke_overrides}.items():
         doc["smoke"][k] = v
     out = tmp_path / "params.yaml"
     with out.open("w") as fh:
@@ -264,14 +411,46 @@ def _stage(tmp_path: Path, params: Path, export: Path, verifier: Path):
 @pytest.mark.slow
 def test_positive_control_accepts_every_draft(micro_verifier_copy, tmp_path):
     """Final norms zeroed in verifier and draft: every logit ties at 0, both pick id 0, so every
-    draft is accepted: mean acceptance length exactly k + 1, in both formats."""
+    draft is accepted: mean acceptance length exactly k + 1, in both formats and at every k of
+    the sweep. Speed is measured for every method (values not asserted: timings), in a file
+    of its own; the deterministic metrics hold none."""
     verifier = drafts.zero_final_norm(micro_verifier_copy)
     arch = drafts.micro_arch(verifier)
     export = drafts.write_export(tmp_path / "export", arch, verifier_dir=verifier,
                                  mode="zero_norm", num_speculative_tokens=K)
-    r = _stage(tmp_path, _params(tmp_path), export, verifier)
+    r = _stage(tmp_path, _params(tmp_path, k_sweep=[1, K], timing_rounds=2), export, verifier)
     assert r.returncode == 0, r.stderr[-4000:]
     m = json.loads((tmp_path / "metrics" / "smoke.json").read_text())
+    # the k sweep: k = 1 and the serving k, draft and ngram; acceptance exactly k + 1
+    assert sorted(m["k_sweep"]) == ["1", str(K)]
+    one = m["k_sweep"]["1"]["vllm"]
+    assert one["mean_acceptance_length"] == 2.0 and one["acceptance_rate_per_position"] == [1.0]
+    assert one["lossless"] and one["num_drafts"] == 2 * (MAX_TOKENS - 1) // 2
+    # at the serving k the sweep is the main run's (one engine, one counted pass)
+    main = {k: v for k, v in m["formats"]["vllm"].items() if k != "gain_over_ngram"}
+    assert m["k_sweep"][str(K)]["vllm"] == main and main["mean_acceptance_length"] == K + 1
+    assert set(m["k_sweep"]["1"]) == {"vllm", "ngram"} and "domains" not in m
+    k_rows = json.loads((tmp_path / "plots" / "smoke_k_acceptance.json").read_text())
+    assert k_rows == [{"k": 1, "ngram": m["k_sweep"]["1"]["ngram"]["mean_acceptance_length"],
+                       "vllm": 2.0},
+                      {"k": K, "ngram": m["ngram"]["mean_acceptance_length"], "vllm": K + 1}]
+    timing = json.loads((tmp_path / "metrics" / "smoke_timing.json").read_text())
+    assert set(timing["methods"]) == {"non-speculative", "vllm", "speculators", "ngram"}
+    for name, t in timing["methods"].items():
+        assert len(t["seconds"]) == 2  # one per timed round
+        for q in ("output_tokens_per_s", "ms_per_output_token"):
+            assert 0 < t[q]["min"] <= t[q]["median"] <= t[q]["max"], (name, q, t[q])
+        if name != "non-speculative":
+            sp = t["speedup"]
+            assert sp["median"] > 0 and sp["min"] <= sp["max"], (name, sp)
+            assert timing["speedup"][name] == sp["median"]
+    assert sorted(timing["k_sweep"]) == ["1", str(K)]
+    assert timing["best_k"]["serving_k"] == K and timing["best_k"]["vllm"]["k"] in (1, K)
+    speed_rows = json.loads((tmp_path / "plots" / "smoke_k_speedup.json").read_text())
+    assert [row["k"] for row in speed_rows] == [1, K]
+    # the timing file names the deterministic metrics it was measured with
+    assert timing["smoke_metrics_sha256"] == hashlib.sha256(
+        (tmp_path / "metrics" / "smoke.json").read_bytes()).hexdigest()
     assert m["num_speculative_tokens"] == K
     for fmt in ("vllm", "speculators"):
         f = m["formats"][fmt]
@@ -305,3 +484,40 @@ def test_untrained_draft_fails_the_threshold(micro_verifier, tmp_path):
     assert all(1.0 <= float(v) < 1.2 for v in found.values()), found
     assert "lossless" not in r.stderr  # speculation was still exact
     assert not (tmp_path / "metrics" / "smoke.json").exists()
+
+
+@pytest.mark.slow
+def test_per_domain_prompts_from_a_jsonl(micro_verifier_copy, tmp_path):
+    """smoke.prompts: a small JSONL in prompts/ with two domains (one line without "domain":
+    "default"). Each domain is generated as its own batch; acceptance (positive control: exactly
+    k + 1) and speed are reported per domain, and the domains add up to the overall counts."""
+    verifier = drafts.zero_final_norm(micro_verifier_copy)
+    arch = drafts.micro_arch(verifier)
+    export = drafts.write_export(tmp_path / "export", arch, verifier_dir=verifier,
+                                 mode="zero_norm", num_speculative_tokens=K)
+    (tmp_path / "prompts").mkdir()
+    lines = [_line([{"role": "user", "content": "def add(a, b):"}], domain="code"),
+             _line([{"role": "user", "content": "Explain a list."}], domain="prose"),
+             _line([{"role": "user", "content": "class Stack:"}], domain="code"),
+             _line([{"role": "user", "content": "import os"}])]
+    (tmp_path / "prompts" / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    params = _params(tmp_path, prompts="prompts/eval.jsonl", num_prompts=10)
+    r = _stage(tmp_path, params, export, verifier)
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = json.loads((tmp_path / "metrics" / "smoke.json").read_text())
+    assert m["prompts"] == "prompts/eval.jsonl" and m["num_prompts"] == 4
+    domains = ["code", "prose", "default"]
+    assert sorted(m["domains"]) == sorted(domains)
+    assert [m["domains"][d]["num_prompts"] for d in domains] == [2, 1, 1]
+    for fmt in ("vllm", "speculators"):
+        per = [m["domains"][d][fmt] for d in domains]
+        assert all(x["mean_acceptance_length"] == K + 1 for x in per), per
+        for key in ("num_drafts", "num_accepted_tokens", "tokens_generated"):
+            assert sum(x[key] for x in per) == m["formats"][fmt][key], key
+        assert per[0]["num_drafts"] == 2 * per[1]["num_drafts"]  # 2 prompts vs 1
+    timing = json.loads((tmp_path / "metrics" / "smoke_timing.json").read_text())
+    assert sorted(timing["domains"]) == sorted(domains)
+    for d, row in timing["domains"].items():
+        assert set(row) == {"non-speculative", "vllm", "speculators", "ngram"}
+        assert all(row[n]["speedup"]["median"] > 0 for n in row if n != "non-speculative")
+    assert "k_sweep" not in m and "best_k" not in timing  # k_sweep: []

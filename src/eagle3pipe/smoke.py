@@ -1,5 +1,5 @@
-"""The `smoke` stage: real vLLM loads the verifier with each exported EAGLE-3 draft format and
-speculates greedily on held-out prompts.
+"""The `smoke` stage: real vLLM loads the verifier with each exported EAGLE-3 draft format,
+speculates greedily on evaluation prompts, and measures what speculation buys in decode speed.
 
 For each format (artifacts/export/vllm, the flat config; artifacts/export/speculators, the
 nested one) it
@@ -14,18 +14,44 @@ baseline. It fails when the draft's mean acceptance length is below smoke.min_ac
 or below smoke.min_gain_over_ngram times ngram's.
 
 k is the exported speculators config's serving default (proposal method `speculative_tokens`),
-so the stage reads no draft params. Metrics are deterministic: counts and 4-decimal floats, no
-timings (timings go to the log).
+so the stage reads no draft params. `smoke.k_sweep` also measures the draft (vllm layout: the
+speculators export holds the same weights) and ngram at other k; the sweep recommends a k, it
+never rewrites one (vLLM takes another k at serving time from the speculative_config's
+`num_speculative_tokens`, without a re-export).
+
+Prompts: the held-out stdlib snippets (`smoke.prompts: null`, one domain "stdlib"), or a JSONL
+of chat prompts under prompts/ (the directory is a DVC dep of the stage), one per line:
+{"messages": [{"role", "content"}, ...], "domain": "..."} (domain optional: "default"); the
+last turn is the user turn the verifier answers. Each domain is generated as one batch, and
+acceptance and speed are reported per domain as well as overall.
+
+Speed: every engine of a run lives in this process at once (engine.engines). After each
+engine's first generation (the counted one: lossless check and acceptance counters, on a fresh
+engine), `smoke.timing_rounds` rounds follow in which the non-speculative engine and every
+speculative engine of a k generate the whole prompt set once each, in alternating order (A B C,
+C B A, ...), so that other work on the machine slows every method alike. Output tokens/s and
+time per output token are medians over the rounds with their min and max; a method's speedup is
+the ratio of its median tokens/s to the non-speculative one's in the same rounds, with the
+spread of the per-round ratios.
+
+Outputs: metrics/smoke.json is deterministic (counts and 4-decimal floats, no timings);
+wall-clock figures go to metrics/smoke_timing.json, and the plot data to plots/ (acceptance per
+position and per k: deterministic; speedup per k: timing).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3pipe import engine, preflight, runtime, vllm_load
+from tqdm import tqdm
+
+from eagle3pipe import engine, preflight, runtime, samples, vllm_load
 from eagle3pipe.errors import Error
 from eagle3pipe.verifier import Verifier
 
@@ -33,6 +59,8 @@ log = logging.getLogger("eagle3pipe.smoke")
 
 FORMATS = ("vllm", "speculators")  # artifacts/export/<format>/
 NGRAM = "ngram"
+REFERENCE = "non-speculative"
+SWEPT = ("vllm", NGRAM)  # what the k sweep runs: the draft (vllm layout) and the baseline
 COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -40,6 +68,15 @@ COUNTERS = {
     "accepted_per_position": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 ROUND = 4
+BUSY = 0.15  # other processes' CPU share above which the timings are flagged unreliable
+PROMPTS_DIR = "prompts"  # a dep of the smoke stage in dvc.yaml: smoke.prompts must lie in it
+STDLIB_DOMAIN = "stdlib"  # the held-out stdlib prompts (smoke.prompts: null)
+DEFAULT_DOMAIN = "default"  # a JSONL prompt without "domain"
+PROMPT_LINE = '{"messages": [{"role": "user", "content": "..."}], "domain": "..."}'
+# the stage's other outputs, beside its --metrics and --plots paths (dvc.yaml names them too)
+TIMING_NAME = "smoke_timing.json"
+K_ACCEPTANCE_NAME = "smoke_k_acceptance.json"
+K_SPEEDUP_NAME = "smoke_k_speedup.json"
 
 
 class SmokeError(Error, RuntimeError):
@@ -49,6 +86,10 @@ class SmokeError(Error, RuntimeError):
     def __init__(self, message: str, metrics: dict | None = None, *, fix: str = ""):
         super().__init__(message, fix)
         self.metrics = metrics
+
+
+def _default_where(key: str) -> str:
+    return "params.yaml"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,20 +130,121 @@ def speculative_tokens(export_dir: str | Path) -> int:
     return k
 
 
+def sweep_ks(s, k: int, where: Callable[[str], str] = _default_where) -> list[int]:
+    """The k values of the sweep (smoke.k_sweep, with the serving k when it is not empty),
+    ascending; [] when there is no sweep."""
+    ks = list(s.k_sweep)
+    bad = [x for x in ks if isinstance(x, bool) or not isinstance(x, int) or x < 1]
+    if bad:
+        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {bad[0]!r} is not a "
+                         "positive integer", fix="list k values >= 1, e.g. [1, 2, 3, 4, 5], "
+                         "or [] for no sweep")
+    if len(set(ks)) != len(ks):
+        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {ks} lists a k twice",
+                         fix=f"list each k once: {sorted(set(ks))}")
+    return sorted(set(ks) | {k}) if ks else []
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]  # chat-templated prompt token ids
+    domain: str
+    source: str  # where it came from, for messages: "prompts/x.jsonl:7", "stdlib held-out #3"
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """Messages formatted with the verifier's chat template (add_generation_prompt=True) and
+    tokenized once, so vLLM adds no second BOS."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
-    """Held-out corpus snippets as user turns, formatted with the verifier's chat template
-    (add_generation_prompt=True) and tokenized once, so vLLM adds no second BOS."""
+    """Held-out corpus snippets as user turns, tokenized with the chat template."""
     from eagle3pipe import corpus
 
     try:
         texts = corpus.snippets("heldout", num_prompts, seed=seed)
     except RuntimeError as e:
         raise SmokeError(f"smoke.num_prompts: {e}") from None
-    out = []
-    for text in texts:
-        s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                    add_generation_prompt=True)
-        out.append(list(tok(s, add_special_tokens=False)["input_ids"]))
+    return [chat_ids(tok, [{"role": "user", "content": text}]) for text in texts]
+
+
+def prompts_path(value: str, where: Callable[[str], str] = _default_where) -> Path:
+    """smoke.prompts as a path inside prompts/ (the stage's DVC dep, so that editing the file
+    reruns the stage); any other place is refused."""
+    fix = (f"put the file under {PROMPTS_DIR}/ (a dep of the smoke stage in dvc.yaml: DVC "
+           f"reruns the stage when it changes) and set smoke.prompts: {PROMPTS_DIR}/<name>.jsonl")
+    rel = os.path.normpath(value)
+    parts = Path(rel).parts
+    if os.path.isabs(value) or len(parts) < 2 or parts[0] != PROMPTS_DIR:
+        raise SmokeError(f"{where('smoke.prompts')}: smoke.prompts: {value} is not inside "
+                         f"{PROMPTS_DIR}/, so DVC would not rerun the smoke stage when it "
+                         "changes", fix=fix)
+    path = Path(rel)
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "not found"
+        raise SmokeError(f"{where('smoke.prompts')}: smoke.prompts: {path} {state} (relative "
+                         "to the project root)", fix=fix)
+    return path
+
+
+def _prompt_problem(row: Any) -> tuple[str, str] | None:
+    """(what is wrong, the fix) with one parsed prompt line, or None."""
+    json_type, message_problem = samples.json_type, samples.message_problem
+    if not isinstance(row, dict):
+        return f"the line is a JSON {json_type(row)}, not an object", f"write {PROMPT_LINE}"
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        got = "no \"messages\"" if "messages" not in row else \
+            f"\"messages\" is a JSON {json_type(messages)}" if not isinstance(messages, list) \
+            else "\"messages\" is empty"
+        return f"{got}; a prompt needs a non-empty list of turns", f"write {PROMPT_LINE}"
+    for j, m in enumerate(messages):
+        problem = message_problem(j, m)
+        if problem:
+            return problem, ('make every message an object with a "role" (system, user or '
+                             'assistant) and a string "content"')
+    if messages[-1]["role"] != "user":
+        return (f"the last turn is {messages[-1]['role']!r}; the verifier answers the last "
+                "turn, which must be the user's", "end the conversation with a user turn")
+    domain = row.get("domain", DEFAULT_DOMAIN)
+    if not isinstance(domain, str) or not domain.strip():
+        return (f"\"domain\" is {str(domain)[:40]!r}, not a non-empty string",
+                "name the domain with a string, or leave \"domain\" out")
+    return None
+
+
+def read_prompts(path: Path, tok, limit: int, where: Callable[[str], str] = _default_where
+                 ) -> list[Prompt]:
+    """The first `limit` prompts of a JSONL of chat prompts; a bad line is an error naming
+    file:line, the fix and the params key. The JSON of each line is read by the project's one
+    JSON-line parser (samples.parse_line) and its turns by samples.message_problem."""
+    key = f"smoke.prompts at {where('smoke.prompts')}"
+    out: list[Prompt] = []
+    try:
+        fh = path.open("rb")
+    except OSError as e:
+        raise SmokeError(f"{path}: cannot read it ({e.strerror}); {key}") from None
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            if len(out) >= limit:
+                break
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+                raw = raw[3:]
+            if not raw.strip():
+                continue
+            row, err = samples.parse_line(raw)
+            problem = (err, "make the line one complete JSON object: " + PROMPT_LINE) if err \
+                else _prompt_problem(row)
+            if problem:
+                raise SmokeError(f"{path}:{lineno}: {problem[0]} ({key})", fix=problem[1])
+            messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+            out.append(Prompt(chat_ids(tok, messages), row.get("domain", DEFAULT_DOMAIN),
+                              f"{path}:{lineno}"))
+    if not out:
+        raise SmokeError(f"{path}: no prompt in it (empty, or only blank lines; {key})",
+                         fix=f"one prompt per line: {PROMPT_LINE}")
     return out
 
 
@@ -110,34 +252,57 @@ def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
 class Inputs:
     """What every engine of a smoke run shares."""
     exports: dict[str, Path]  # format -> artifacts/export/<format>
-    k: int  # num_speculative_tokens
+    k: int  # num_speculative_tokens: the export's serving default
     model_dir: Path  # the verifier's weights
     tokenizer: Any
-    prompts: list[list[int]]
+    prompts: list[Prompt]
     settings: dict  # the run's vLLM engine settings (engine.settings_of)
     verifier: Verifier
+    sweep: list[int] = field(default_factory=list)  # k values of the sweep ([]: none)
+    source: str = "stdlib:heldout"  # smoke.prompts, or the stdlib's held-out part
+
+    @property
+    def domains(self) -> dict[str, list[int]]:
+        """Prompt indices by domain, domains in order of first appearance."""
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(self.prompts):
+            out.setdefault(p.domain, []).append(i)
+        return out
 
 
-def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path) -> Inputs:
-    """The exports, k, the verifier and the tokenized prompts; vllm.max_model_len must fit the
-    longest prompt, its generation and one speculative step past it."""
+def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path,
+                where: Callable[[str], str] = _default_where) -> Inputs:
+    """The exports, k, the sweep, the verifier and the tokenized prompts; vllm.max_model_len
+    must fit the longest prompt, its generation and one speculative step past it."""
     exports = export_dirs(export_dir)
     k = speculative_tokens(export_dir)
+    sweep = sweep_ks(s, k, where)
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tok = v.tokenizer()
-    prompts = build_prompts(tok, s.num_prompts, s.seed)
-    longest = max(map(len, prompts))
-    log.info("verifier %s, k=%d, %d prompts (longest %d tokens), max_tokens %d",
-             v.model_dir, k, len(prompts), longest, s.max_tokens)
-    need = longest + s.max_tokens + k + 1
+    if s.prompts is None:
+        prompts = [Prompt(ids, STDLIB_DOMAIN, f"stdlib held-out prompt {i}")
+                   for i, ids in enumerate(build_prompts(tok, s.num_prompts, s.seed))]
+        source = "stdlib:heldout"
+    else:
+        path = prompts_path(s.prompts, where)
+        prompts = read_prompts(path, tok, s.num_prompts, where)
+        source = str(path)
+    longest = max(prompts, key=lambda p: len(p.ids))
+    kmax = max([k, *sweep])
+    log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "
+             "max_tokens %d", v.model_dir, k, f", k sweep {sweep}" if sweep else "",
+             len(prompts), source, len({p.domain for p in prompts}), len(longest.ids),
+             s.max_tokens)
+    need = len(longest.ids) + s.max_tokens + kmax + 1
     if need > settings["max_model_len"]:
         raise SmokeError(f"vllm.max_model_len {settings['max_model_len']} is shorter than the "
-                         f"longest smoke prompt ({longest} tokens) + smoke.max_tokens "
-                         f"({s.max_tokens}) + k + 1 = {need}",
+                         f"longest smoke prompt ({len(longest.ids)} tokens, {longest.source}) "
+                         f"+ smoke.max_tokens ({s.max_tokens}) + k + 1 = {need}"
+                         + (f" (k = {kmax}, the largest of the k sweep)" if kmax > k else ""),
                          fix=f"raise vllm.max_model_len to at least {need} or lower "
-                         "smoke.max_tokens")
-    return Inputs(exports, k, v.model_dir, tok, prompts, settings, v)
+                         "smoke.max_tokens" + (" or shorten the prompt" if s.prompts else ""))
+    return Inputs(exports, k, v.model_dir, tok, prompts, settings, v, sweep, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,12 +331,23 @@ def check_loads(s, inp: Inputs) -> None:
 
 
 @dataclass
+class Pass:
+    """One generation of the whole prompt set by one engine: one batch per domain."""
+    token_ids: list[list[int]]  # in prompt order
+    seconds: dict[str, float]  # by domain
+    tokens: dict[str, int]  # output tokens by domain
+    counters: dict[str, dict] = field(default_factory=dict)  # by domain (the counted pass)
+
+
+@dataclass
 class EngineRun:
     name: str
     token_ids: list[list[int]]
-    counters: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)  # summed over domains
     start_s: float = 0.0
     generate_s: float = 0.0
+    domain_counters: dict[str, dict] = field(default_factory=dict)
+    domain_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def _counters(llm) -> dict[str, Any]:
@@ -206,49 +382,183 @@ def _delta(before: dict, after: dict) -> dict:
     return out
 
 
-def run_engine(name: str, inp: Inputs, s, speculative_config: dict | None) -> EngineRun:
-    """One in-process vLLM engine on the verifier: greedy generation on the prompts and the
-    spec-decode counter deltas, with the run's engine settings (as every stage's engine)."""
-    t0 = time.perf_counter()
-    with engine.engine(inp.settings, inp.model_dir, threads=s.threads,
-                       speculative_config=speculative_config, stats=True) as llm:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        start = time.perf_counter() - t0
-        log.info("%s: engine start %.1f s", name, start)
-        before = _counters(llm)
-        t1 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in inp.prompts],
-                            SamplingParams(temperature=0.0, max_tokens=s.max_tokens,
-                                           seed=s.seed),
-                            use_tqdm=True)
-        gen = time.perf_counter() - t1
-        counters = _delta(before, _counters(llm))
-    ids = [list(o.outputs[0].token_ids) for o in outs]
-    log.info("%s: generated %d tokens in %.1f s", name, sum(map(len, ids)), gen)
-    return EngineRun(name, ids, counters, start, gen)
-
-
-def speculative_configs(s, inp: Inputs) -> dict[str, dict]:
-    """The speculative engines, by name: each exported format's draft, then vLLM's ngram."""
-    out: dict[str, dict] = {fmt: {"method": "eagle3", "model": str(d),
-                                  "num_speculative_tokens": inp.k}
-                            for fmt, d in inp.exports.items()}
-    out[NGRAM] = {"method": "ngram", "num_speculative_tokens": inp.k,
-                  "prompt_lookup_min": s.ngram_prompt_lookup_min,
-                  "prompt_lookup_max": s.ngram_prompt_lookup_max}
+def _sum(counters: list[dict]) -> dict:
+    """Counter deltas added up (the domains of one pass)."""
+    out: dict[str, Any] = {k: 0 for k in COUNTERS}
+    out["accepted_per_position"] = []
+    for c in counters:
+        for k in COUNTERS:
+            v = c.get(k)
+            if isinstance(v, list):
+                cur = out[k] + [0] * (len(v) - len(out[k]))
+                out[k] = [a + (v[i] if i < len(v) else 0) for i, a in enumerate(cur)]
+            elif v is not None:
+                out[k] += v
     return out
 
 
-def run_engines(s, inp: Inputs) -> tuple[EngineRun, dict[str, EngineRun]]:
-    """The non-speculative reference, then every speculative engine, one after another."""
-    reference = run_engine("non-speculative", inp, s, None)
-    runs = {}
-    for name, spec in speculative_configs(s, inp).items():
-        label = NGRAM if name == NGRAM else f"eagle3 ({name})"
-        runs[name] = run_engine(label, inp, s, spec)
-    return reference, runs
+def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
+    """The prompt set through one engine, one greedy batch per domain, each batch timed; with
+    `counted`, vLLM's spec-decode counter deltas per domain (valid for the engine started
+    last: see engine.Engines.start)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, seed=s.seed)
+    ids: list[list[int]] = [[] for _ in inp.prompts]
+    out = Pass(ids, {}, {})
+    for domain, idx in inp.domains.items():
+        before = _counters(llm) if counted else None
+        t0 = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=inp.prompts[i].ids) for i in idx],
+                           sampling, use_tqdm=False)
+        out.seconds[domain] = time.perf_counter() - t0
+        for i, r in zip(idx, res):
+            ids[i] = list(r.outputs[0].token_ids)
+        out.tokens[domain] = sum(len(ids[i]) for i in idx)
+        if counted:
+            out.counters[domain] = _delta(before, _counters(llm))
+    return out
+
+
+def speculative_configs(s, inp: Inputs, k: int | None = None,
+                        names: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """The speculative engines at k (default: the serving k), by name: each exported format's
+    draft, then vLLM's ngram; `names` keeps only those."""
+    k = inp.k if k is None else k
+    out: dict[str, dict] = {fmt: {"method": "eagle3", "model": str(d),
+                                  "num_speculative_tokens": k}
+                            for fmt, d in inp.exports.items()}
+    out[NGRAM] = {"method": "ngram", "num_speculative_tokens": k,
+                  "prompt_lookup_min": s.ngram_prompt_lookup_min,
+                  "prompt_lookup_max": s.ngram_prompt_lookup_max}
+    return {n: c for n, c in out.items() if names is None or n in names}
+
+
+def label(name: str, k: int) -> str:
+    return name if name in (NGRAM, REFERENCE) else f"eagle3 ({name})"
+
+
+@dataclass
+class Measured:
+    """What the engines produced: the reference, the counted run of every speculative engine
+    by (name, k), and every timed pass by (name, k) (the reference's by the k of its round)."""
+    reference: EngineRun
+    runs: dict[tuple[str, int], EngineRun]
+    timed: dict[tuple[str, int], list[Pass]]
+    seconds: dict[str, float]
+    other_cpu_share: float | None = None  # other processes' CPU share during the timed rounds
+
+
+def groups(s, inp: Inputs) -> list[tuple[int, dict[str, dict]]]:
+    """(k, speculative configs) of each round group: every method at the serving k, then the
+    swept methods at each other k of the sweep."""
+    out = [(inp.k, speculative_configs(s, inp))]
+    out += [(k, speculative_configs(s, inp, k, SWEPT)) for k in inp.sweep if k != inp.k]
+    return out
+
+
+def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
+    """All engines in this process: the non-speculative reference stays up for the whole run;
+    each group of speculative engines (one k) starts, makes its counted pass, then
+    smoke.timing_rounds rounds alternate the reference and the group's engines."""
+    plan = groups(s, inp)
+    rounds = s.timing_rounds
+    total = 1 + sum(len(g) + rounds * (len(g) + 1) for _, g in plan)
+    runs: dict[tuple[str, int], EngineRun] = {}
+    timed: dict[tuple[str, int], list[Pass]] = {}
+    seconds = {"engine_start": 0.0, "counted": 0.0, "timed": 0.0}
+    bar = tqdm(total=total, desc="smoke: generate", unit="pass", disable=not progress,
+               mininterval=1.0)
+    meter = CpuMeter()
+
+    def start(pool, name, k, spec):
+        t0 = time.perf_counter()
+        llm = pool.start(spec)
+        dt = time.perf_counter() - t0
+        seconds["engine_start"] += dt
+        log.info("%s (k=%s): engine start %.1f s", label(name, k), k if spec else "-", dt)
+        return llm, dt
+
+    with engine.engines(inp.settings, inp.model_dir, threads=s.threads, stats=True) as pool:
+        ref_llm, ref_start = start(pool, REFERENCE, 0, None)
+        t0 = time.perf_counter()
+        first = generate(ref_llm, inp, s, counted=False)
+        seconds["counted"] += time.perf_counter() - t0
+        bar.update()
+        reference = EngineRun(REFERENCE, first.token_ids, start_s=ref_start,
+                              generate_s=sum(first.seconds.values()),
+                              domain_tokens=first.tokens)
+        for k, specs in plan:
+            llms = {}
+            for name, spec in specs.items():
+                llm, dt = start(pool, name, k, spec)
+                t0 = time.perf_counter()
+                p = generate(llm, inp, s, counted=True)  # before the next start (its counters)
+                seconds["counted"] += time.perf_counter() - t0
+                bar.update()
+                runs[(name, k)] = EngineRun(name, p.token_ids, _sum(list(p.counters.values())),
+                                            dt, sum(p.seconds.values()), p.counters, p.tokens)
+                llms[name] = llm
+            order = [(REFERENCE, ref_llm), *llms.items()]
+            t0 = time.perf_counter()
+            meter.resume()
+            for r in range(rounds):
+                for name, llm in (order if r % 2 == 0 else order[::-1]):
+                    timed.setdefault((name, k), []).append(generate(llm, inp, s, counted=False))
+                    bar.update()
+            meter.pause()
+            seconds["timed"] += time.perf_counter() - t0
+            for llm in llms.values():
+                pool.stop(llm)
+    bar.close()
+    return Measured(reference, runs, timed, seconds, meter.other_share())
+
+
+class CpuMeter:
+    """How much CPU time other processes took while it ran (resumed .. paused, possibly several
+    times): all busy CPU time (/proc/stat) minus this process's own (getrusage), as a share of
+    wall time x cores. Two threads on few cores: any other work stalls them, and the timings
+    say little above ~15%."""
+
+    def __init__(self):
+        self.wall = self.other = 0.0
+        self._at: tuple[float, float, float] | None = None
+        self.available = self._busy() is not None
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:
+            with open("/proc/stat") as fh:
+                f = [int(x) for x in fh.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
+        return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def resume(self) -> None:
+        if self.available:
+            self._at = (time.perf_counter(), self._busy() or 0.0, self._own())
+
+    def pause(self) -> None:
+        if self._at is None:
+            return
+        t0, busy0, own0 = self._at
+        self.wall += time.perf_counter() - t0
+        self.other += max(0.0, ((self._busy() or 0.0) - busy0) - (self._own() - own0))
+        self._at = None
+
+    def other_share(self) -> float | None:
+        if not self.available or self.wall <= 0:
+            return None
+        return round(self.other / (self.wall * (os.cpu_count() or 1)), 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,14 +583,15 @@ def acceptance(counters: dict, k: int, tokens_generated: int) -> dict:
 
 
 def mismatches(reference: list[list[int]], got: list[list[int]], detok: Callable | None = None,
-               limit: int = 3) -> list[str]:
+               limit: int = 3, sources: list[str] | None = None) -> list[str]:
     """Prompts whose speculative output differs from the non-speculative one."""
     out = []
     for i, (a, b) in enumerate(zip(reference, got)):
         if a == b:
             continue
         j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        msg = (f"prompt {i}: first difference at output token {j}: non-speculative "
+        where = f" ({sources[i]})" if sources else ""
+        msg = (f"prompt {i}{where}: first difference at output token {j}: non-speculative "
                f"{a[j:j + 4]} vs speculative {b[j:j + 4]} (lengths {len(a)} / {len(b)})")
         if detok is not None:
             msg += f"; non-speculative text {detok(a[max(0, j - 8):j + 8])!r}, speculative " \
@@ -292,15 +603,15 @@ def mismatches(reference: list[list[int]], got: list[list[int]], detok: Callable
     return out[:limit] + ([f"... and {more} more prompts"] if more > 0 else [])
 
 
-def judge(s, k: int, reference: EngineRun, runs: dict[str, EngineRun], detok: Callable
-          ) -> tuple[dict[str, dict], list[str]]:
+def judge(s, k: int, reference: EngineRun, runs: dict[str, EngineRun], detok: Callable,
+          sources: list[str] | None = None) -> tuple[dict[str, dict], list[str]]:
     """Each run's acceptance with its verdicts (`lossless`; the drafts' `gain_over_ngram`),
     and every failure: outputs that differ, then the drafts' thresholds."""
     results = {name: acceptance(r.counters, k, sum(map(len, r.token_ids)))
                for name, r in runs.items()}
     failures = []
     for name, r in runs.items():
-        diff = mismatches(reference.token_ids, r.token_ids, detok)
+        diff = mismatches(reference.token_ids, r.token_ids, detok, sources=sources)
         results[name]["lossless"] = not diff
         if diff:
             failures.append(f"{name}: speculative output differs from the non-speculative "
@@ -334,13 +645,49 @@ def threshold_failures(s, fmt: str, r: dict, k: int, ngram_len: float) -> list[s
     return failures
 
 
+def judge_sweep(inp: Inputs, m: Measured, detok: Callable) -> tuple[dict[str, dict],
+                                                                     list[str]]:
+    """Acceptance per k of the sweep ({"<k>": {method: acceptance + lossless}}) and its
+    failures: an output that differs from the non-speculative one at any k."""
+    sweep: dict[str, dict] = {}
+    failures = []
+    sources = [p.source for p in inp.prompts]
+    for k in inp.sweep:
+        row = {}
+        for name in SWEPT:
+            r = m.runs[(name, k)]
+            row[name] = acceptance(r.counters, k, sum(map(len, r.token_ids)))
+            diff = mismatches(m.reference.token_ids, r.token_ids, detok, sources=sources)
+            row[name]["lossless"] = not diff
+            if diff and k != inp.k:  # the serving k's are reported by judge()
+                failures.append(f"{name} at k={k} (smoke.k_sweep): speculative output differs "
+                                "from the non-speculative greedy output:\n"
+                                + "\n".join(f"    {d}" for d in diff))
+        sweep[str(k)] = row
+    return sweep, failures
+
+
+def domain_metrics(inp: Inputs, m: Measured) -> dict[str, dict]:
+    """Acceptance by domain at the serving k: {domain: {num_prompts, method: acceptance}}."""
+    out = {}
+    for domain, idx in inp.domains.items():
+        row: dict[str, Any] = {"num_prompts": len(idx)}
+        for (name, k), r in m.runs.items():
+            if k == inp.k:
+                row[name] = acceptance(r.domain_counters[domain], k, r.domain_tokens[domain])
+        out[domain] = row
+    return out
+
+
 def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *,
-               passed: bool) -> dict:
+               passed: bool, sweep: dict[str, dict] | None = None,
+               domains: dict[str, dict] | None = None) -> dict:
     """metrics/smoke.json: counts, acceptance and verdicts, the thresholds; no timings."""
-    return {
+    out = {
         "num_speculative_tokens": inp.k,
         "num_prompts": len(inp.prompts),
         "max_tokens": s.max_tokens,
+        "prompts": inp.source,
         "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
         "engine": engine.numeric(inp.settings),
         "formats": {fmt: results[fmt] for fmt in inp.exports},
@@ -351,6 +698,11 @@ def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *
                        "min_gain_over_ngram": s.min_gain_over_ngram},
         "passed": passed,
     }
+    if sweep:
+        out["k_sweep"] = sweep
+    if domains is not None:
+        out["domains"] = domains
+    return out
 
 
 def plot_rows(results: dict[str, dict]) -> list[dict]:
@@ -366,18 +718,152 @@ def plot_rows(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def sweep_rows(sweep: dict[str, dict], value: Callable[[dict], float]) -> list[dict]:
+    """Wide rows, one per k, a column per swept method (`value` of each entry)."""
+    return [{"k": int(k), **{name: value(row[name]) for name in sorted(row)}}
+            for k, row in sorted(sweep.items(), key=lambda kv: int(kv[0]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# timing (metrics/smoke_timing.json: wall clock, not deterministic)
+
+
+def _sig(x: float, n: int = 4) -> float:
+    return float(f"{x:.{n}g}")
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min and max (4 significant digits)."""
+    return {"median": _sig(statistics.median(values)), "min": _sig(min(values)),
+            "max": _sig(max(values))}
+
+
+def speed(passes: list[Pass], domains: list[str] | None = None) -> dict:
+    """Output tokens/s and ms per output token of each timed pass (over `domains`, default
+    all), as median, min and max, and the pass seconds."""
+    tps, secs = [], []
+    for p in passes:
+        ds = domains or list(p.seconds)
+        sec, tok = sum(p.seconds[d] for d in ds), sum(p.tokens[d] for d in ds)
+        secs.append(sec)
+        tps.append(tok / sec if sec > 0 else 0.0)
+    return {"output_tokens_per_s": spread(tps),
+            "ms_per_output_token": spread([1000.0 / t if t else 0.0 for t in tps]),
+            "seconds": [_sig(x) for x in secs]}
+
+
+def speedup(passes: list[Pass], ref: list[Pass], domains: list[str] | None = None) -> dict:
+    """Median tokens/s over the reference's median tokens/s of the same rounds (`median`), the
+    min and max of the per-round ratios (pass r of both was timed in round r), and the ratio
+    of the fastest passes (`best`: other work only ever slows a pass down)."""
+    def tps(p: Pass) -> float:
+        ds = domains or list(p.seconds)
+        sec = sum(p.seconds[d] for d in ds)
+        return sum(p.tokens[d] for d in ds) / sec if sec > 0 else 0.0
+
+    a, b = [tps(p) for p in passes], [tps(p) for p in ref]
+    ratios = [x / y for x, y in zip(a, b) if y > 0]
+    med_b = statistics.median(b)
+    return {"median": _sig(statistics.median(a) / med_b) if med_b else 0.0,
+            "min": _sig(min(ratios)) if ratios else 0.0,
+            "max": _sig(max(ratios)) if ratios else 0.0,
+            "best": _sig(max(a) / max(b)) if max(b) else 0.0}
+
+
+def timing_of(s, inp: Inputs, m: Measured, *, stage_seconds: float,
+              metrics_sha256: str) -> dict:
+    """metrics/smoke_timing.json: speed of every method at the serving k (overall and by
+    domain), speedup and acceptance-free speed per k of the sweep, the best k, where the time
+    went. Flat `speedup` and `output_tokens_per_s` maps for `dvc metrics show`."""
+    k = inp.k
+    ref = m.timed[(REFERENCE, k)]
+    methods: dict[str, dict] = {REFERENCE: speed(ref)}
+    for (name, kk), passes in m.timed.items():
+        if kk == k and name != REFERENCE:
+            methods[name] = {**speed(passes), "speedup": speedup(passes, ref)}
+    out: dict[str, Any] = {
+        "num_speculative_tokens": k,
+        "timing_rounds": s.timing_rounds,
+        "num_prompts": len(inp.prompts),
+        "max_tokens": s.max_tokens,
+        "prompts": inp.source,
+        "methods": methods,
+        "speedup": {n: r["speedup"]["median"] for n, r in methods.items() if "speedup" in r},
+        "output_tokens_per_s": {n: r["output_tokens_per_s"]["median"]
+                                for n, r in methods.items()},
+        "ms_per_output_token": {n: r["ms_per_output_token"]["median"]
+                                for n, r in methods.items()},
+    }
+    if len(inp.domains) > 1 or inp.source != "stdlib:heldout":
+        out["domains"] = {
+            d: {name: {**speed(m.timed[(name, k)], [d]),
+                       **({"speedup": speedup(m.timed[(name, k)], ref, [d])}
+                          if name != REFERENCE else {})}
+                for name in methods}
+            for d in inp.domains}
+    if inp.sweep:
+        sweep: dict[str, dict] = {}
+        for kk in inp.sweep:
+            ref_k = m.timed[(REFERENCE, kk)]
+            sweep[str(kk)] = {name: {**speed(m.timed[(name, kk)]),
+                                     "speedup": speedup(m.timed[(name, kk)], ref_k)}
+                              for name in SWEPT}
+        out["k_sweep"] = sweep
+        out["best_k"] = {}
+        for name in SWEPT:
+            best = max(inp.sweep, key=lambda kk: sweep[str(kk)][name]["speedup"]["median"])
+            out["best_k"][name] = {"k": best,
+                                   "speedup": sweep[str(best)][name]["speedup"]["median"]}
+        # the serving default beside the recommendation (params are never rewritten)
+        out["best_k"]["serving_k"] = k
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    out["seconds"] = {"stage": _sig(stage_seconds),
+                      **{n: _sig(v) for n, v in m.seconds.items()}}
+    share = m.other_cpu_share
+    out["machine"] = {"cpu_count": os.cpu_count(), "loadavg_at_end": load,
+                      "other_processes_cpu_share": share,
+                      "busy_warning": None if share is None or share <= BUSY else
+                      f"other processes took {share:.0%} of the CPU during the timed rounds: "
+                      "the timings are unreliable (rerun `dvc repro -f -s smoke` on a quiet "
+                      "machine)"}
+    out["smoke_metrics_sha256"] = metrics_sha256
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the stage
 
 
+@dataclass
+class Outputs:
+    """Where the stage writes besides the metrics the runner writes."""
+    plots: Path  # per-position acceptance
+    timing: Path | None = None  # metrics/smoke_timing.json
+    k_acceptance: Path | None = None  # plots/smoke_k_acceptance.json
+    k_speedup: Path | None = None  # plots/smoke_k_speedup.json
+
+    @classmethod
+    def beside(cls, metrics: str | Path | None, plots: str | Path) -> "Outputs":
+        """The stage's outputs by their names in dvc.yaml: the timing file beside --metrics,
+        the k plots beside --plots."""
+        plots = Path(plots)
+        return cls(plots, Path(metrics).parent / TIMING_NAME if metrics else None,
+                   plots.parent / K_ACCEPTANCE_NAME, plots.parent / K_SPEEDUP_NAME)
+
+
 def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
-            plots_path: str | Path) -> dict:
+            plots_path: str | Path, outputs: Outputs | None = None, progress: bool = True,
+            where: Callable[[str], str] = _default_where) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
-    (engine.settings_of). Writes the plot data and returns the metrics; raises SmokeError (with
-    .metrics) when a check fails."""
+    (engine.settings_of). Writes the plot data (and the timing file when `outputs` names one)
+    and returns the metrics; raises SmokeError (with .metrics) when a check fails."""
+    t_stage = time.perf_counter()
     engine.environment(settings)  # before anything imports vLLM
     runtime.seed_everything(s.seed, s.threads)
-    inp = read_inputs(s, settings, export_dir, verifier_dir)
+    inp = read_inputs(s, settings, export_dir, verifier_dir, where)
     # one freeze of the imports' objects for the load checks and every engine
     with engine.frozen_heap():
         check_loads(s, inp)
@@ -386,24 +872,69 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
         if limit:  # the verifier stage's preflight reported it up front
             raise SmokeError(f"{limit.where}: {limit.message} (the exports passed vLLM's "
                              "engine-less load check)", fix=limit.fix)
-        reference, runs = run_engines(s, inp)
-    results, failures = judge(s, inp.k, reference, runs, inp.tokenizer.decode)
-    metrics = metrics_of(s, inp, reference, results, passed=not failures)
+        m = run_engines(s, inp, progress=progress)
+    main = {name: r for (name, k), r in m.runs.items() if k == inp.k}
+    sources = [p.source for p in inp.prompts]
+    results, failures = judge(s, inp.k, m.reference, main, inp.tokenizer.decode, sources)
+    sweep, sweep_failures = judge_sweep(inp, m, inp.tokenizer.decode)
+    failures += sweep_failures
+    domains = domain_metrics(inp, m) if s.prompts is not None else None
+    metrics = metrics_of(s, inp, m.reference, results, passed=not failures, sweep=sweep,
+                         domains=domains)
     log.info("engine starts: %s", ", ".join(
-        f"{n} {r.start_s:.1f} s" for n, r in [("non-speculative", reference), *runs.items()]))
+        f"{n} {r.start_s:.1f} s" for n, r in [(REFERENCE, m.reference), *main.items()]))
     if failures:
         raise SmokeError("smoke test failed:\n" + "\n".join(f"  - {f}" for f in failures),
                          metrics)
-    runtime.write_json(plots_path, plot_rows(results))
+    out = outputs or Outputs(Path(plots_path))
+    runtime.write_json(out.plots, plot_rows(results))
+    timing = timing_of(s, inp, m, stage_seconds=time.perf_counter() - t_stage,
+                       metrics_sha256=hashlib.sha256(
+                           runtime.dumps(metrics).encode()).hexdigest())
+    if sweep and out.k_acceptance:
+        runtime.write_json(out.k_acceptance,
+                           sweep_rows(sweep, lambda r: r["mean_acceptance_length"]))
+    if sweep and out.k_speedup:
+        runtime.write_json(out.k_speedup,
+                           sweep_rows(timing["k_sweep"], lambda r: r["speedup"]["median"]))
+    if out.timing:
+        runtime.write_json(out.timing, timing)
+    report(inp, metrics, timing)
     return metrics
 
 
+def report(inp: Inputs, metrics: dict, timing: dict) -> None:
+    """The log's summary: acceptance and speedup per method, the k sweep's recommendation."""
+    for name, length in sorted(metrics["mean_acceptance_length"].items()):
+        t = timing["methods"][name]
+        log.info("%s: mean acceptance length %s at k=%d; %s output tokens/s (non-speculative "
+                 "%s), speedup %sx (per round %s-%s)", name, length, inp.k,
+                 t["output_tokens_per_s"]["median"],
+                 timing["output_tokens_per_s"][REFERENCE], t["speedup"]["median"],
+                 t["speedup"]["min"], t["speedup"]["max"])
+    if timing["machine"]["busy_warning"]:
+        log.warning("%s", timing["machine"]["busy_warning"])
+    best = timing.get("best_k")
+    if best:
+        for name in SWEPT:
+            log.info("k sweep %s: %s; best speedup %sx at k=%d (serving default k=%d, "
+                     "draft.num_speculative_tokens)", name, ", ".join(
+                         f"k={k} {row[name]['speedup']['median']}x (acceptance "
+                         f"{metrics['k_sweep'][k][name]['mean_acceptance_length']})"
+                         for k, row in timing["k_sweep"].items()),
+                     best[name]["speedup"], best[name]["k"], inp.k)
+
+
 def run(params, paths) -> dict:
-    """The stage (eagle3pipe.stage.main): paths.export, .verifier -> paths.plots; returns the
-    metrics (the runner writes paths.metrics)."""
-    m = measure(params.smoke, engine.settings_of(params.vllm), export_dir=paths.export,
-                verifier_dir=paths.verifier, plots_path=paths.plots)
-    for name, length in sorted(m["mean_acceptance_length"].items()):
-        log.info("%s: mean acceptance length %s at k=%d", name, length,
-                 m["num_speculative_tokens"])
-    return m
+    """The stage (eagle3pipe.stage.main): paths.export, .verifier -> paths.plots, and beside
+    paths.metrics and paths.plots the timing file and the k sweep's plots (stages/smoke.py may
+    name them as paths.timing, .k_acceptance, .k_speedup); returns the metrics (the runner
+    writes paths.metrics)."""
+    s = params.smoke
+    out = Outputs.beside(getattr(paths, "metrics", None), paths.plots)
+    for name in ("timing", "k_acceptance", "k_speedup"):
+        if getattr(paths, name, None):
+            setattr(out, name, getattr(paths, name))
+    return measure(s, engine.settings_of(params.vllm), export_dir=paths.export,
+                   verifier_dir=paths.verifier, plots_path=paths.plots, outputs=out,
+                   progress=getattr(paths, "progress", True), where=params.where)

@@ -47,3 +47,55 @@ def test_scaling_point_runs_extract_and_train_paths(tmp_path):
     assert header.split("\t")[0] == "hidden_size" and line.split("\t")[0] == "32"
     if compute.scaling_png(rows, tmp_path / "scaling.png"):
         assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speedup_model_is_the_standard_formula():
+    """speedup(k) = tau(k) t_v(1) / (t_fc + k t_d + t_v(k + 1)), tau(k) = 1 + the acceptance
+    of positions 1..k; ngram's proposer costs nothing. Numbers given, not measured."""
+    import speedup
+
+    row = {"t_verify": {"1": 1.0, "2": 1.0, "3": 1.5}, "t_draft": 0.1, "t_fc": 0.0,
+           "hidden_size": 8, "layers": 1, "verifier_params": 10}
+    m = speedup.model(row, {"draft": [0.8, 0.6], "ngram": [0.5, 0.3]})
+    assert m["draft"] == {"1": speedup.rnd(1.8 / 1.1), "2": speedup.rnd(2.4 / 1.7)}  # 4 digits
+    assert m["ngram"] == {"1": 1.5, "2": 1.2}
+    assert m["draft_best"] == {"k": 1, "speedup": m["draft"]["1"]}
+    assert m["ngram_best"] == {"k": 1, "speedup": 1.5} and m["c"] == 0.1
+    rows = [dict(row, verifier_params=10, model={"draft_best": {"speedup": 0.9},
+                                                 "ngram_best": {"speedup": 1.2}}),
+            dict(row, verifier_params=20, layers=2,
+                 model={"draft_best": {"speedup": 1.1}, "ngram_best": {"speedup": 1.3}}),
+            dict(row, verifier_params=30, layers=3,
+                 model={"draft_best": {"speedup": 1.4}, "ngram_best": {"speedup": 1.3}})]
+    c = speedup.crossover(rows[::-1])
+    assert c["beats_no_speculation"]["layers"] == 2
+    assert c["beats_ngram"]["layers"] == 3 and c["beats_both"]["layers"] == 3
+    assert speedup.acceptance({"k_sweep": {"1": {"vllm": {"acceptance_rate_per_position": [0.9]},
+                                                 "ngram": {"acceptance_rate_per_position": [0.5]}},
+                                           "5": {"vllm": {"acceptance_rate_per_position": [1] * 5},
+                                                 "ngram": {"acceptance_rate_per_position": [0] * 5}}
+                                           }})[0] == {"draft": [1] * 5, "ngram": [0] * 5}
+
+
+def test_speedup_point_times_real_forwards(tmp_path):
+    """One tiny verifier size through the benchmark's code: a random Llama built from its
+    config, the EAGLE-3 draft layer, per-forward times, the model, TSV and PNG."""
+    import speedup
+
+    draft = params.load(ROOT / "tests/micro/params.yaml").draft
+    smoke = json.loads((ROOT / "metrics/smoke.json").read_text())
+    res = speedup.run(((32, 1),), smoke=smoke, draft_params=draft, vocab=256, batch=2,
+                      context=8, repeats=1, inner=1)
+    (row,) = res["rows"]
+    ks = [int(k) for k in row["model"]["draft"]]
+    assert ks == list(range(1, len(res["acceptance"]["draft"]) + 1))
+    assert sorted(map(int, row["t_verify"])) == [1, *(k + 1 for k in ks)]
+    for t in [*row["t_verify"].values(), row["t_draft"], row["t_fc"]]:
+        assert math.isfinite(t) and t > 0
+    assert row["verifier_params"] > row["draft_params"] > 0
+    speedup.write(res, tmp_path)
+    header, line = (tmp_path / "speedup.tsv").read_text().splitlines()
+    assert header.startswith("verifier_params_m\t") and line.split("\t")[1:3] == ["32", "1"]
+    assert json.loads((tmp_path / "speedup.json").read_text())["rows"][0]["layers"] == 1
+    if (tmp_path / "speedup.png").exists():
+        assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

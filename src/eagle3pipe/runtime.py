@@ -65,7 +65,11 @@ def bind_to_launcher() -> None:
     """The stage runner calls this first: the stage process dies with the process that started
     it (DVC, or torchrun for the train stage: torchrun starts its workers in sessions of their
     own, so killing `dvc repro`'s process group would leave them training and publishing into
-    the next run's outputs), and once that process is gone it publishes nothing."""
+    the next run's outputs), and once that process is gone it publishes nothing. A torchrun
+    worker whose torchrun was killed while the worker was still importing (before this call)
+    has been adopted by init already: it exits here, before reading or writing anything. (An
+    orphan adopted by a subreaper other than init is not recognised; the publish check below
+    then still stops nothing, so such a run publishes as a run without DVC would.)"""
     global _LAUNCHER
     _LAUNCHER = os.getppid()
     if sys.platform.startswith("linux"):
@@ -73,7 +77,15 @@ def bind_to_launcher() -> None:
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PDEATHSIG
-    if os.getppid() != _LAUNCHER:  # the launcher died before the death signal was armed
+    gone = os.getppid() != _LAUNCHER  # it died before the death signal was armed
+    if not gone and _LAUNCHER == 1 and os.environ.get("TORCHELASTIC_RUN_ID"):
+        try:  # a torchrun worker's parent is torchrun, init only when torchrun is pid 1
+            gone = b"torch" not in Path("/proc/1/cmdline").read_bytes()
+        except OSError:
+            pass
+    if gone:
+        print(f"{sys.argv[0]}: the process that started it is gone; exiting before any work",
+              file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

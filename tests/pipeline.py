@@ -1,6 +1,7 @@
 """Helpers to run the real pipeline with real DVC in a temporary git repository."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -161,3 +162,99 @@ def unexplained_skips(repo: Path, expected: set[str], ran: set[str],
                 if (dep == out or dep.startswith(out + "/")) and before.get(out) != h:
                     problems.append(f"{s} did not run although its input {dep} ({out}) changed")
     return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults (tests/test_faults.py): runs to kill, their processes, and what a kill leaves behind
+
+FAULT_TAG = "EAGLE3PIPE_FAULT_TAG"  # in the environment of every process of one run
+
+
+def start(repo: Path, *cmd: str, env_extra: dict | None = None,
+          log: Path | None = None) -> subprocess.Popen:
+    """`cmd` in `repo` in the background, in a process group of its own (as start_repro), with
+    the tests' environment plus `env_extra`, output to `log` (default <repo>.repro.log)."""
+    (repo / ".runlog").unlink(missing_ok=True)
+    log = log or repo.parent / f"{repo.name}.repro.log"
+    with open(log, "w") as out:
+        return subprocess.Popen(list(cmd), cwd=repo, env={**env(repo), **(env_extra or {})},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def tagged(tag: str) -> dict[int, str]:
+    """Live processes whose environment holds FAULT_TAG=tag: pid -> command line. A process
+    in a session of its own (torchrun's workers) is found too; zombies are not (dead)."""
+    needle = f"{FAULT_TAG}={tag}".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return found
+
+
+def kill_group(proc: subprocess.Popen, tag: str, grace: float = 5.0) -> dict[int, str]:
+    """SIGKILL to the process group of `proc` (what stop_repro sends), then up to `grace`
+    seconds for every process tagged `tag` to be gone. Returns those still alive then, after
+    killing them too, so that none outlives the test."""
+    import time
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + grace
+    left = tagged(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = tagged(tag)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def wait_for(what: str, cond, *, timeout: float, proc: subprocess.Popen | None = None,
+             log: Path | None = None, poll: float = 0.05):
+    """Polls cond() until it returns something true, and returns it; fails naming `what` when
+    `timeout` passes or `proc` exits first (with the tail of `log`)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        tail = log.read_text()[-4000:] if log and log.exists() else ""
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited ({proc.returncode}) before {what}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout:.0f} s:\n{tail}")
+        time.sleep(poll)
+
+
+def stage_outputs(repo: Path, stage: str) -> list[str]:
+    """The stage's outs, metrics and plots as dvc.yaml lists them."""
+    body = YAML(typ="safe").load((repo / "dvc.yaml").read_text())["stages"][stage]
+    return [o if isinstance(o, str) else next(iter(o))
+            for kind in ("outs", "metrics", "plots") for o in body.get(kind) or []]
+
+
+def digests(repo: Path, paths: list[str]) -> dict[str, str | None]:
+    """digest() of each path, None where it does not exist."""
+    return {p: digest(repo / p) if (repo / p).exists() else None for p in paths}
+
+
+def leftovers(repo: Path, paths: list[str]) -> list[str]:
+    """What sits beside each output under a hidden name derived from it (`.<name>.*`: the
+    atomic writers' temporary files and directories, the replaced output during a swap)."""
+    out = []
+    for p in paths:
+        parent, name = (repo / p).parent, (repo / p).name
+        if parent.is_dir():
+            out += [str((parent / e.name).relative_to(repo)) for e in parent.iterdir()
+                    if e.name.startswith(f".{name}.")]
+    return sorted(out)

@@ -148,7 +148,9 @@ def test_kimi_wrapper_and_alias_capture_what_deepseek_v3_captures(runs):
     """Same weights, three packagings: the dataset and the hidden states are identical."""
     from pipeline import digest
 
-    digests = {f: (digest(runs[f][0] / "artifacts/hidden"),
+    # the hidden states themselves (manifest.json's store keys name each verifier's files)
+    digests = {f: (digest(runs[f][0] / "artifacts/hidden/train/hidden_states"),
+                   digest(runs[f][0] / "artifacts/hidden/eval/hidden_states"),
                    (runs[f][0] / "artifacts/dataset/train.jsonl").read_bytes())
                for f in families.MLA}
     assert digests["kimi_k2"] == digests["deepseek_v3"] == digests["kimi_k25"]

@@ -5,6 +5,7 @@ regenerate nothing; `eagle3pipe gc` keeps what dvc.lock, experiments and the wor
 to. What a run computed is read from .eagle3pipe/runs/<stage>.json (store.record)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -50,16 +51,20 @@ def test_a_cold_run_computes_everything_and_publishes_links(repo):
 def test_extract_killed_half_way_resumes_with_the_rest_and_the_same_bytes(repo):
     before = digest(repo / "artifacts/hidden")
     n = get_param(repo, "dataset.num_samples")
-    shutil.rmtree(repo / ".eagle3pipe/store/hidden")
-    tag = "store-kill"
-    proc = start(repo, "dvc", "repro", "-f", "-s", "extract", env_extra={FAULT_TAG: tag})
-    try:
-        wait_for("4 stored samples", lambda: len(entries(repo, "hidden")) >= 4, timeout=300,
-                 proc=proc, log=repo.parent / "repo.repro.log")
-    finally:
-        assert kill_group(proc, tag) == {}  # every process of the run is gone
-    done = len(entries(repo, "hidden"))
-    assert 4 <= done < n, f"killed after {done} of {n}"
+    for attempt in range(4):  # on a busy machine the run may finish before the kill lands
+        shutil.rmtree(repo / ".eagle3pipe/store/hidden", ignore_errors=True)
+        tag = f"store-kill-{attempt}"
+        proc = start(repo, "dvc", "repro", "-f", "-s", "extract", env_extra={FAULT_TAG: tag})
+        try:
+            with contextlib.suppress(AssertionError):  # exited first: too late, try again
+                wait_for("2 stored samples", lambda: len(entries(repo, "hidden")) >= 2,
+                         timeout=300, proc=proc, log=repo.parent / "repo.repro.log")
+        finally:
+            assert kill_group(proc, tag) == {}  # every process of the run is gone
+        done = len(entries(repo, "hidden"))
+        if done < n:
+            break
+    assert 2 <= done < n, f"killed after {done} of {n}"
     assert not (repo / "artifacts/hidden/manifest.json").exists()  # nothing half published
     # DVC would restore the old output from its cache (the lock is unchanged): run for real
     assert repro(repo, "-f", "-s", "extract") == {"extract"}
@@ -132,4 +137,4 @@ def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
     assert "fix: free disk there" in out and "Traceback" not in out
     assert "plan (CPU): vLLM TP1" in out  # the plan's row opens the stage's log
     assert not (repo / "artifacts/dataset").exists() or digest(repo / "artifacts/dataset") == before
-    sh(repo, "dvc", "checkout", "-q")
+    sh(repo, "dvc", "checkout", "-q", "dataset")

@@ -2,7 +2,7 @@
 against no speculation, as a function of verifier size, from measured per-forward times of
 verifiers and drafts at a few sizes and the acceptance measured in vLLM (metrics/smoke.json).
 
-    python bench/speedup.py                  # the default grid (~5 min on a quiet 2-core machine)
+    python bench/speedup.py                  # the default grid (~3 min on this 2-core machine)
     python bench/speedup.py --quick          # two tiny sizes, seconds (what tests/test_bench.py runs)
 
 The model (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding",
@@ -24,8 +24,10 @@ size (metrics/smoke_timing.json), shown beside the model's row for it.
 Verifiers are random-init Llama models built in-process from configs (no downloads; the
 embedded verifier's family: head_dim 64, heads = hidden / 64, KV heads = heads / 2, MLP 2 x
 hidden, its 4096-token vocabulary); drafts have the default draft's proportions
-(compute.scaling_draft). Per forward: best of N interleaved repeats after a warm-up, at the
-smoke stage's batch (smoke.num_prompts sequences) over a KV cache of a typical smoke context.
+(compute.scaling_draft). Per forward: this process's CPU time on one torch thread (a busy
+machine's other work does not stretch it), best of N interleaved repeats after a warm-up, at
+one sequence and at the smoke stage's batch (smoke.num_prompts sequences), over a KV cache of a
+typical smoke context.
 Writes bench/speedup.json, bench/speedup.tsv (x = verifier parameters, for dvc plots) and
 bench/speedup.png.
 """
@@ -40,12 +42,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, THREADS, CpuMeter, interleave, log, machine, now_iso, rnd  # noqa: E402
+from common import ROOT, CpuMeter, interleave, log, machine, now_iso, rnd  # noqa: E402
 
 # (hidden, layers) of the verifiers; the first is the embedded default's size
 GRID = ((256, 4), (256, 16), (512, 8), (512, 24), (1024, 16), (1024, 32))
 QUICK_GRID = ((64, 2), (64, 8))
 FAMILY = "random-init Llama: head_dim 64, heads hidden/64, KV heads heads/2, MLP 2 x hidden"
+# one torch thread, timed in CPU time: a shared machine's other work then stretches no timing
+# (with two OpenMP threads on two busy cores a stalled thread stalls its sibling, 10x and more);
+# the model needs only ratios of forward times at one thread count
+THREADS_TIMED = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,10 +122,10 @@ def params_of(model) -> int:
 # timing
 
 
-def time_size(hidden: int, layers: int, *, vocab: int, draft_params, batch: int, context: int,
-              ks: list[int], repeats: int, inner: int) -> dict:
-    """Per-forward seconds (best of the interleaved repeats) of one verifier size: t_v(n) for
-    n = 1 and k + 1 of every k, t_d, t_fc."""
+def time_size(hidden: int, layers: int, *, vocab: int, draft_params, batches: list[int],
+              context: int, ks: list[int], repeats: int, inner: int) -> list[dict]:
+    """Per-forward seconds (best of the interleaved repeats) of one verifier size at each batch
+    size, a row each: t_v(n) for n = 1 and k + 1 of every k, t_d, t_fc."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -130,45 +136,50 @@ def time_size(hidden: int, layers: int, *, vocab: int, draft_params, batch: int,
     d = compute.scaling_draft(draft_params, hidden, vocab)
     draft = draft_layer(hidden, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
                         d.intermediate_size, d.draft_vocab_size, vocab)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(4, vocab, (batch, context), generator=g)
-    with torch.no_grad():
-        cache = verifier(prompt, use_cache=True).past_key_values
-    k_cache = torch.randn(batch, d.num_key_value_heads, context, d.head_dim, generator=g)
-    v_cache = torch.randn_like(k_cache)
-    tok = torch.randint(4, vocab, (batch, 1), generator=g)
-    hid = torch.randn(batch, 1, hidden, generator=g)
-    aux = torch.randn(batch, 1, 3 * hidden, generator=g)
-    news = {n: torch.randint(4, vocab, (batch, n), generator=g)
-            for n in sorted({1, *(k + 1 for k in ks)})}
-
-    def verify(n):
-        def run():
-            with torch.no_grad():
-                for _ in range(inner):
-                    verifier(news[n], past_key_values=cache, use_cache=True)
-                    cache.crop(-n)  # back to the prompt's cache
-        return run
-
-    def draft_step():
+    sizes = {"hidden_size": hidden, "layers": layers, "verifier_params": params_of(verifier),
+             # the embedding is the verifier's (vLLM shares it)
+             "draft_params": params_of(draft) - draft.embed.weight.numel()}
+    rows = []
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(4, vocab, (batch, context), generator=g)
         with torch.no_grad():
-            for _ in range(inner):
-                draft(tok, hid, k_cache, v_cache)
+            cache = verifier(prompt, use_cache=True).past_key_values
+        k_cache = torch.randn(batch, d.num_key_value_heads, context, d.head_dim, generator=g)
+        v_cache = torch.randn_like(k_cache)
+        tok = torch.randint(4, vocab, (batch, 1), generator=g)
+        hid = torch.randn(batch, 1, hidden, generator=g)
+        aux = torch.randn(batch, 1, 3 * hidden, generator=g)
+        news = {n: torch.randint(4, vocab, (batch, n), generator=g)
+                for n in sorted({1, *(k + 1 for k in ks)})}
 
-    def fc():
-        with torch.no_grad():
-            for _ in range(inner):
-                draft.fc(aux)
+        def cpu_seconds(fn):
+            """fn's CPU time (this process): on one thread, the time spent waiting for a core
+            while other work runs is not counted."""
+            def run():
+                t0 = time.process_time()
+                with torch.no_grad():
+                    for _ in range(inner):
+                        fn()
+                return time.process_time() - t0
+            return run
 
-    fns = {f"verify_{n}": verify(n) for n in news}
-    fns.update(draft=draft_step, fc=fc)
-    times = interleave(fns, repeats=repeats, warmup=1)
-    per = {name: min(ts) / inner for name, ts in times.items()}
-    return {"hidden_size": hidden, "layers": layers,
-            "verifier_params": params_of(verifier),
-            "draft_params": params_of(draft) - draft.embed.weight.numel(),  # embedding: shared
-            "t_verify": {str(n): rnd(per[f"verify_{n}"]) for n in news},
-            "t_draft": rnd(per["draft"]), "t_fc": rnd(per["fc"])}
+        def verify(n, cache=cache, news=news):
+            def once():
+                verifier(news[n], past_key_values=cache, use_cache=True)
+                cache.crop(-n)  # back to the prompt's cache
+            return once
+
+        fns = {f"verify_{n}": cpu_seconds(verify(n)) for n in news}
+        fns.update(draft=cpu_seconds(lambda: draft(tok, hid, k_cache, v_cache)),
+                   fc=cpu_seconds(lambda: draft.fc(aux)))
+        times = interleave(fns, repeats=repeats, warmup=1, max_repeats=repeats)
+        per = {name: min(ts) / inner for name, ts in times.items()}
+        rows.append({**sizes, "batch": batch,
+                     "t_verify": {str(n): rnd(per[f"verify_{n}"]) for n in news},
+                     "t_draft": rnd(per["draft"]), "t_fc": rnd(per["fc"])})
+        del cache
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +223,8 @@ def model(row: dict, rates: dict[str, list[float]]) -> dict:
 
 def crossover(rows: list[dict]) -> dict:
     """The smallest verifier (by parameters) at which the draft's best modelled speedup beats
-    no speculation (> 1), ngram's best, and both; None where it never does in the grid."""
+    no speculation (> 1), ngram's best, and both; None where it never does in the grid. Rows
+    of one batch size."""
     rows = sorted(rows, key=lambda r: r["verifier_params"])
 
     def first(pred):
@@ -233,28 +245,38 @@ def crossover(rows: list[dict]) -> dict:
 
 
 def tsv(rows: list[dict]) -> str:
-    """Wide TSV (x = verifier parameters in millions) for dvc plots: best modelled speedup of
-    the draft and ngram, their k, c = t_draft / t_verify."""
-    lines = ["verifier_params_m\thidden_size\tlayers\tdraft_speedup\tdraft_k\tngram_speedup\t"
-             "ngram_k\tc"]
-    for r in sorted(rows, key=lambda r: r["verifier_params"]):
-        m = r["model"]
-        lines.append("\t".join(str(x) for x in (
-            rnd(r["verifier_params"] / 1e6, 3), r["hidden_size"], r["layers"],
-            m["draft_best"]["speedup"], m["draft_best"]["k"], m["ngram_best"]["speedup"],
-            m["ngram_best"]["k"], m["c"])))
+    """Wide TSV (x = verifier parameters in millions) for dvc plots: per batch size, the best
+    modelled speedup of the draft and ngram, their k, and c = t_draft / t_verify."""
+    batches = sorted({r["batch"] for r in rows})
+    cols = [f"{q}_b{b}" for b in batches for q in ("draft_speedup", "draft_k", "ngram_speedup",
+                                                    "ngram_k", "c")]
+    lines = ["\t".join(["verifier_params_m", "hidden_size", "layers", *cols])]
+    for size in sorted({(r["verifier_params"], r["hidden_size"], r["layers"]) for r in rows}):
+        vals = []
+        for b in batches:
+            r = next((r for r in rows if r["batch"] == b and r["verifier_params"] == size[0]),
+                     None)
+            m = r["model"] if r else None
+            vals += ["" if m is None else str(x) for x in (
+                m and m["draft_best"]["speedup"], m and m["draft_best"]["k"],
+                m and m["ngram_best"]["speedup"], m and m["ngram_best"]["k"], m and m["c"])]
+        lines.append("\t".join([str(rnd(size[0] / 1e6, 3)), str(size[1]), str(size[2]), *vals]))
     return "\n".join(lines) + "\n"
 
 
-def png(rows: list[dict], path: Path, measured: dict | None = None) -> bool:
-    """Best modelled speedup against verifier parameters (log scale), draft and ngram, with
-    the no-speculation line at 1 and the smoke stage's measured speedups at the embedded size;
-    drawn with Pillow. False when Pillow is missing."""
+def png(rows: list[dict], path: Path, measured: dict | None = None,
+        measured_batch: int | None = None) -> bool:
+    """Best modelled speedup against verifier parameters (log scale), draft and ngram, one
+    line per batch size, with the no-speculation line at 1 and the smoke stage's measured
+    speedups (at `measured_batch`, the embedded size) as squares; drawn with Pillow. False when
+    Pillow is missing."""
     try:
         from PIL import Image, ImageDraw, ImageFont
     except ImportError:
         return False
-    rows = sorted(rows, key=lambda r: r["verifier_params"])
+    batches = sorted({r["batch"] for r in rows})
+    sizes = sorted({r["verifier_params"]: r for r in rows}.values(),
+                   key=lambda r: r["verifier_params"])
     W, H, left, right, top, bottom = 640, 400, 70, 30, 40, 60
     img = Image.new("RGB", (W, H), "white")
     g = ImageDraw.Draw(img)
@@ -262,11 +284,11 @@ def png(rows: list[dict], path: Path, measured: dict | None = None) -> bool:
         font, big = ImageFont.load_default(size=13), ImageFont.load_default(size=15)
     except TypeError:
         font = big = ImageFont.load_default()
-    xs = [math.log10(r["verifier_params"]) for r in rows]
+    xs = [math.log10(r["verifier_params"]) for r in sizes]
     x0, x1 = min(xs) - 0.1, max(xs) + 0.1
     ys = [r["model"][m]["speedup"] for r in rows for m in ("draft_best", "ngram_best")]
     ys += list((measured or {}).values())
-    ymax = max(1.2, max(ys) * 1.1)
+    ymax = max(1.2, max(ys) * 1.45)  # room for the legend above the lines
 
     def px(v):
         return left + (v - x0) / (x1 - x0) * (W - left - right)
@@ -285,26 +307,35 @@ def png(rows: list[dict], path: Path, measured: dict | None = None) -> bool:
     g.line([(left, py(1.0)), (W - right, py(1.0))], fill=(150, 150, 150))
     g.text((W - right, py(1.0) - 4), "no speculation", fill=(120, 120, 120), font=font,
            anchor="rb")
-    for r, x in zip(rows, xs):
+    for r, x in zip(sizes, xs):
         g.text((px(x), py(0) + 6), f"{r['verifier_params'] / 1e6:.3g}M", fill="black",
                font=font, anchor="mt")
         g.text((px(x), py(0) + 20), f"{r['hidden_size']}x{r['layers']}", fill=(90, 90, 90),
                font=font, anchor="mt")
     g.text((left + (W - left - right) / 2, H - 8),
            "verifier parameters (hidden x layers)", fill="black", font=font, anchor="mb")
-    for j, (m, name, c) in enumerate((("draft_best", "EAGLE-3 draft", (31, 119, 180)),
-                                      ("ngram_best", "ngram", (214, 39, 40)))):
-        pts = [(px(x), py(r["model"][m]["speedup"])) for r, x in zip(rows, xs)]
-        g.line(pts, fill=c, width=2)
-        for x, y in pts:
-            g.ellipse([x - 3, y - 3, x + 3, y + 3], fill=c)
-        g.text((left + 10, top + 16 * j), name + " (model)", fill=c, font=font, anchor="lt")
-        got = (measured or {}).get(m.split("_")[0])
-        if got is not None:
-            x, y = px(xs[0]), py(got)
-            g.rectangle([x - 4, y - 4, x + 4, y + 4], outline=c, width=2)
+    colors = {"draft_best": [(31, 119, 180), (140, 190, 230)],
+              "ngram_best": [(214, 39, 40), (240, 150, 150)]}
+    line = 0
+    for m, name in (("draft_best", "EAGLE-3 draft"), ("ngram_best", "ngram")):
+        for i, b in enumerate(sorted(batches, reverse=True)):  # the largest batch darkest
+            c = colors[m][min(i, 1)]
+            by = {r["verifier_params"]: r for r in rows if r["batch"] == b}
+            pts = [(px(x), py(by[r["verifier_params"]]["model"][m]["speedup"]))
+                   for r, x in zip(sizes, xs) if r["verifier_params"] in by]
+            if len(pts) > 1:
+                g.line(pts, fill=c, width=2)
+            for x, y in pts:
+                g.ellipse([x - 3, y - 3, x + 3, y + 3], fill=c)
+            g.text((left + 10, top + 16 * line), f"{name}, batch {b} (model)", fill=c,
+                   font=font, anchor="lt")
+            line += 1
+            got = (measured or {}).get(m.split("_")[0])
+            if got is not None and b == measured_batch:
+                x, y = px(xs[0]), py(got)
+                g.rectangle([x - 4, y - 4, x + 4, y + 4], outline=c, width=2)
     if measured:
-        g.text((left + 10, top + 32), "squares: measured in vLLM (smoke stage)",
+        g.text((left + 10, top + 16 * line), "squares: measured in vLLM (smoke stage)",
                fill=(90, 90, 90), font=font, anchor="lt")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
@@ -314,53 +345,61 @@ def png(rows: list[dict], path: Path, measured: dict | None = None) -> bool:
 
 
 def table(res: dict) -> str:
-    lines = ["verifier (hidden x layers, params)   c=t_d/t_v   draft best (k)   ngram best (k)"]
-    for r in sorted(res["rows"], key=lambda r: r["verifier_params"]):
+    lines = ["verifier (hidden x layers, params)  batch  c=t_d/t_v  draft best (k)  ngram best (k)"]
+    for r in sorted(res["rows"], key=lambda r: (r["batch"], r["verifier_params"])):
         m = r["model"]
         lines.append(f"{r['hidden_size']:5d} x {r['layers']:2d}  {r['verifier_params'] / 1e6:8.1f}M"
-                     f"   {m['c']:9.3f}   {m['draft_best']['speedup']:8.3f} ({m['draft_best']['k']})"
-                     f"   {m['ngram_best']['speedup']:8.3f} ({m['ngram_best']['k']})")
-    c = res["crossover"]
-    for key, what in (("beats_no_speculation", "no speculation"), ("beats_ngram", "ngram"),
-                      ("beats_both", "both")):
-        x = c[key]
-        lines.append(f"draft beats {what}: " + (
-            f"from {x['hidden_size']} x {x['layers']} ({x['verifier_params'] / 1e6:.3g}M)"
-            if x else "not in this grid"))
+                     f"  {r['batch']:10d}  {m['c']:9.3f}  {m['draft_best']['speedup']:8.3f} "
+                     f"({m['draft_best']['k']})  {m['ngram_best']['speedup']:8.3f} "
+                     f"({m['ngram_best']['k']})")
+    for b, c in sorted(res["crossover"].items(), key=lambda kv: int(kv[0])):
+        for key, what in (("beats_no_speculation", "no speculation"), ("beats_ngram", "ngram"),
+                          ("beats_both", "both")):
+            x = c[key]
+            lines.append(f"batch {b}: draft beats {what}: " + (
+                f"from {x['hidden_size']} x {x['layers']} ({x['verifier_params'] / 1e6:.3g}M)"
+                if x else "not in this grid"))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def run(grid, *, smoke: dict, draft_params, vocab: int, batch: int, context: int,
-        repeats: int, inner: int) -> dict:
+def run(grid, *, smoke: dict, draft_params, vocab: int, batches: list[int], context: int,
+        repeats: int, inner: int, threads: int = THREADS_TIMED) -> dict:
     from common import set_threads
 
-    set_threads(THREADS)
+    set_threads(threads)
     rates, source = acceptance(smoke)
     ks = list(range(1, min(map(len, rates.values())) + 1))
     meter, t0 = CpuMeter(), time.perf_counter()
     rows = []
     for hidden, layers in grid:
-        log(f"speedup: verifier hidden {hidden}, {layers} layers")
-        row = time_size(hidden, layers, vocab=vocab, draft_params=draft_params, batch=batch,
-                        context=context, ks=ks, repeats=repeats, inner=inner)
-        row["model"] = model(row, rates)
-        rows.append(row)
+        log(f"speedup: verifier hidden {hidden}, {layers} layers, batch {batches}")
+        for row in time_size(hidden, layers, vocab=vocab, draft_params=draft_params,
+                             batches=batches, context=context, ks=ks, repeats=repeats,
+                             inner=inner):
+            row["model"] = model(row, rates)
+            rows.append(row)
     share = meter.other_share()
-    return {"rows": rows, "crossover": crossover(rows), "acceptance": rates,
-            "acceptance_source": source, "batch": batch, "context": context,
+    return {"rows": rows, "acceptance": rates,
+            "crossover": {str(b): crossover([r for r in rows if r["batch"] == b])
+                          for b in batches},
+            "acceptance_source": source, "batches": list(batches), "context": context,
             "repeats": repeats, "inner": inner, "vocab": vocab, "family": FAMILY,
+            "threads": threads, "timer": "process CPU time, best of the interleaved repeats",
             "seconds": rnd(time.perf_counter() - t0),
             "other_processes_cpu_share": None if share is None else round(share, 3)}
 
 
 def measured_speedups(timing_path: Path) -> dict | None:
-    """The smoke stage's measured speedups at the serving k (metrics/smoke_timing.json)."""
+    """The smoke stage's measured speedups at the serving k (metrics/smoke_timing.json), and
+    its busy warning (None on a quiet run)."""
     try:
         t = json.loads(timing_path.read_text())
-        return {"draft": t["speedup"]["vllm"], "ngram": t["speedup"]["ngram"]}
+        return {"draft": t["speedup"]["vllm"], "ngram": t["speedup"]["ngram"],
+                "k": t["num_speculative_tokens"],
+                "busy_warning": t.get("machine", {}).get("busy_warning")}
     except (OSError, KeyError, ValueError):
         return None
 
@@ -384,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     smoke = json.loads(args.smoke.read_text())
     vocab = p.verifier.embedded.tokenizer_vocab_size if p.verifier.embedded else 4096
     grid = QUICK_GRID if args.quick else GRID
-    res = run(grid, smoke=smoke, draft_params=p.draft, vocab=vocab,
-              batch=smoke["num_prompts"], context=192 if not args.quick else 32,
+    # one sequence (latency) and the smoke stage's batch (its measured speedups)
+    batches = sorted({1, smoke["num_prompts"]}) if not args.quick else [2]
+    res = run(grid, smoke=smoke, draft_params=p.draft, vocab=vocab, batches=batches,
+              context=192 if not args.quick else 32,
               repeats=args.repeats if not args.quick else 2, inner=3 if not args.quick else 1)
     res.update(date=now_iso(), quick=args.quick, **machine(),
                command=" ".join(["python", "bench/speedup.py",
@@ -404,7 +445,10 @@ def write(res: dict, out: Path) -> None:
 
     write_text_atomic(out / "speedup.json", dumps(res))
     write_text_atomic(out / "speedup.tsv", tsv(res["rows"]))
-    if not png(res["rows"], out / "speedup.png", res.get("measured_in_vllm")):
+    measured = res.get("measured_in_vllm") or {}
+    shown = None if measured.get("busy_warning") else {  # a busy run's timings say little
+        m: measured[m] for m in ("draft", "ngram") if m in measured}
+    if not png(res["rows"], out / "speedup.png", shown, max(res["batches"])):
         log("Pillow is not importable: no png (the tsv has the numbers)")
     for suffix in ("json", "tsv", "png"):
         if (out / f"speedup.{suffix}").exists():

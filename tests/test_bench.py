@@ -84,9 +84,10 @@ def test_speedup_point_times_real_forwards(tmp_path):
 
     draft = params.load(ROOT / "tests/micro/params.yaml").draft
     smoke = json.loads((ROOT / "metrics/smoke.json").read_text())
-    res = speedup.run(((32, 1),), smoke=smoke, draft_params=draft, vocab=256, batch=2,
+    res = speedup.run(((32, 1),), smoke=smoke, draft_params=draft, vocab=256, batches=[1, 2],
                       context=8, repeats=1, inner=1)
-    (row,) = res["rows"]
+    assert [r["batch"] for r in res["rows"]] == [1, 2] and sorted(res["crossover"]) == ["1", "2"]
+    row = res["rows"][1]
     ks = [int(k) for k in row["model"]["draft"]]
     assert ks == list(range(1, len(res["acceptance"]["draft"]) + 1))
     assert sorted(map(int, row["t_verify"])) == [1, *(k + 1 for k in ks)]
@@ -95,7 +96,8 @@ def test_speedup_point_times_real_forwards(tmp_path):
     assert row["verifier_params"] > row["draft_params"] > 0
     speedup.write(res, tmp_path)
     header, line = (tmp_path / "speedup.tsv").read_text().splitlines()
-    assert header.startswith("verifier_params_m\t") and line.split("\t")[1:3] == ["32", "1"]
+    assert header.startswith("verifier_params_m\thidden_size\tlayers\tdraft_speedup_b1\t")
+    assert line.split("\t")[1:3] == ["32", "1"] and len(line.split("\t")) == 3 + 2 * 5
     assert json.loads((tmp_path / "speedup.json").read_text())["rows"][0]["layers"] == 1
     if (tmp_path / "speedup.png").exists():
         assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -131,7 +131,8 @@ class TrainParams:
 
 @dataclass(frozen=True)
 class SmokeParams:
-    num_prompts: int = spec("held-out prompts generated", min=1)
+    num_prompts: int = spec("held-out prompts generated (or lines of smoke.prompts read, at "
+                            "most)", min=1)
     max_tokens: int = spec("tokens generated per prompt", min=1)
     min_acceptance_length: float = spec("fail below this mean acceptance length", min=1.0)
     min_gain_over_ngram: float = spec("fail unless draft/ngram acceptance ratio reaches this",

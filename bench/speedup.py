@@ -136,7 +136,7 @@ def time_size(hidden: int, layers: int, *, vocab: int, draft_params, batches: li
     d = compute.scaling_draft(draft_params, hidden, vocab)
     draft = draft_layer(hidden, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
                         d.intermediate_size, d.draft_vocab_size, vocab)
-    sizes = {"hidden_size": hidden, "layers": layers, "verifier_params": params_of(verifier),
+    sizes = {"hidden": hidden, "layers": layers, "verifier_params": params_of(verifier),
              # the embedding is the verifier's (vLLM shares it)
              "draft_params": params_of(draft) - draft.embed.weight.numel()}
     rows = []
@@ -229,7 +229,7 @@ def crossover(rows: list[dict]) -> dict:
 
     def first(pred):
         r = next((r for r in rows if pred(r)), None)
-        return None if r is None else {"hidden_size": r["hidden_size"], "layers": r["layers"],
+        return None if r is None else {"hidden": r["hidden"], "layers": r["layers"],
                                        "verifier_params": r["verifier_params"]}
 
     def best(r, m):
@@ -250,8 +250,8 @@ def tsv(rows: list[dict]) -> str:
     batches = sorted({r["batch"] for r in rows})
     cols = [f"{q}_b{b}" for b in batches for q in ("draft_speedup", "draft_k", "ngram_speedup",
                                                     "ngram_k", "c")]
-    lines = ["\t".join(["verifier_params_m", "hidden_size", "layers", *cols])]
-    for size in sorted({(r["verifier_params"], r["hidden_size"], r["layers"]) for r in rows}):
+    lines = ["\t".join(["verifier_params_m", "hidden", "layers", *cols])]
+    for size in sorted({(r["verifier_params"], r["hidden"], r["layers"]) for r in rows}):
         vals = []
         for b in batches:
             r = next((r for r in rows if r["batch"] == b and r["verifier_params"] == size[0]),
@@ -310,7 +310,7 @@ def png(rows: list[dict], path: Path, measured: dict | None = None,
     for r, x in zip(sizes, xs):
         g.text((px(x), py(0) + 6), f"{r['verifier_params'] / 1e6:.3g}M", fill="black",
                font=font, anchor="mt")
-        g.text((px(x), py(0) + 20), f"{r['hidden_size']}x{r['layers']}", fill=(90, 90, 90),
+        g.text((px(x), py(0) + 20), f"{r['hidden']}x{r['layers']}", fill=(90, 90, 90),
                font=font, anchor="mt")
     g.text((left + (W - left - right) / 2, H - 8),
            "verifier parameters (hidden x layers)", fill="black", font=font, anchor="mb")
@@ -348,7 +348,7 @@ def table(res: dict) -> str:
     lines = ["verifier (hidden x layers, params)  batch  c=t_d/t_v  draft best (k)  ngram best (k)"]
     for r in sorted(res["rows"], key=lambda r: (r["batch"], r["verifier_params"])):
         m = r["model"]
-        lines.append(f"{r['hidden_size']:5d} x {r['layers']:2d}  {r['verifier_params'] / 1e6:8.1f}M"
+        lines.append(f"{r['hidden']:5d} x {r['layers']:2d}  {r['verifier_params'] / 1e6:8.1f}M"
                      f"  {r['batch']:10d}  {m['c']:9.3f}  {m['draft_best']['speedup']:8.3f} "
                      f"({m['draft_best']['k']})  {m['ngram_best']['speedup']:8.3f} "
                      f"({m['ngram_best']['k']})")
@@ -357,7 +357,7 @@ def table(res: dict) -> str:
                           ("beats_both", "both")):
             x = c[key]
             lines.append(f"batch {b}: draft beats {what}: " + (
-                f"from {x['hidden_size']} x {x['layers']} ({x['verifier_params'] / 1e6:.3g}M)"
+                f"from {x['hidden']} x {x['layers']} ({x['verifier_params'] / 1e6:.3g}M)"
                 if x else "not in this grid"))
     return "\n".join(lines)
 

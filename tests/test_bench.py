@@ -55,7 +55,7 @@ def test_speedup_model_is_the_standard_formula():
     import speedup
 
     row = {"t_verify": {"1": 1.0, "2": 1.0, "3": 1.5}, "t_draft": 0.1, "t_fc": 0.0,
-           "hidden_size": 8, "layers": 1, "verifier_params": 10}
+           "hidden": 8, "layers": 1, "verifier_params": 10}
     m = speedup.model(row, {"draft": [0.8, 0.6], "ngram": [0.5, 0.3]})
     assert m["draft"] == {"1": speedup.rnd(1.8 / 1.1), "2": speedup.rnd(2.4 / 1.7)}  # 4 digits
     assert m["ngram"] == {"1": 1.5, "2": 1.2}
@@ -96,7 +96,7 @@ def test_speedup_point_times_real_forwards(tmp_path):
     assert row["verifier_params"] > row["draft_params"] > 0
     speedup.write(res, tmp_path)
     header, line = (tmp_path / "speedup.tsv").read_text().splitlines()
-    assert header.startswith("verifier_params_m\thidden_size\tlayers\tdraft_speedup_b1\t")
+    assert header.startswith("verifier_params_m\thidden\tlayers\tdraft_speedup_b1\t")
     assert line.split("\t")[1:3] == ["32", "1"] and len(line.split("\t")) == 3 + 2 * 5
     assert json.loads((tmp_path / "speedup.json").read_text())["rows"][0]["layers"] == 1
     if (tmp_path / "speedup.png").exists():

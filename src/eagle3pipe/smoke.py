@@ -435,7 +435,7 @@ def speculative_configs(s, inp: Inputs, k: int | None = None,
     return {n: c for n, c in out.items() if names is None or n in names}
 
 
-def label(name: str, k: int) -> str:
+def label(name: str) -> str:
     return name if name in (NGRAM, REFERENCE) else f"eagle3 ({name})"
 
 
@@ -477,7 +477,7 @@ def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
         llm = pool.start(spec)
         dt = time.perf_counter() - t0
         seconds["engine_start"] += dt
-        log.info("%s (k=%s): engine start %.1f s", label(name, k), k if spec else "-", dt)
+        log.info("%s (k=%s): engine start %.1f s", label(name), k if spec else "-", dt)
         return llm, dt
 
     with engine.engines(inp.settings, inp.model_dir, threads=s.threads, stats=True) as pool:

@@ -3,7 +3,7 @@ against no speculation, as a function of verifier size, from measured per-forwar
 verifiers and drafts at a few sizes and the acceptance measured in vLLM (metrics/smoke.json).
 
     python bench/speedup.py                  # the default grid (~3 min on this 2-core machine)
-    python bench/speedup.py --quick          # two tiny sizes, seconds (what tests/test_bench.py runs)
+    python bench/speedup.py --quick          # two tiny sizes, seconds; writes nothing
 
 The model (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding",
 Sec. 3.3: improvement factor E[tokens per step] / (k c + 1) with c = t_draft / t_verify; with
@@ -335,7 +335,7 @@ def png(rows: list[dict], path: Path, measured: dict | None = None,
                 x, y = px(xs[0]), py(got)
                 g.rectangle([x - 4, y - 4, x + 4, y + 4], outline=c, width=2)
     if measured:
-        g.text((left + 10, top + 16 * line), "squares: measured in vLLM (smoke stage)",
+        g.text((left + 10, top + 16 * line), "squares: measured in vLLM (smoke stage, serving k)",
                fill=(90, 90, 90), font=font, anchor="lt")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")

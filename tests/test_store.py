@@ -1,25 +1,27 @@
-"""The per-sample store (eagle3pipe.store) through real DVC: a SIGKILLed extract resumes with
-only the unfinished samples and publishes the same bytes as an uninterrupted run; a grown
-prompt set computes only the new samples; new aux layer ids re-extract everything and
-regenerate nothing; `eagle3pipe gc` keeps what dvc.lock, experiments and the workspace refer
-to. What a run computed is read from .eagle3pipe/runs/<stage>.json (store.record)."""
+"""The per-sample store (eagle3pipe.store) through real DVC: a SIGKILLed extract or dataset
+resumes with only the unfinished samples and publishes the same bytes as an uninterrupted run;
+a grown prompt set computes only the new samples; new aux layer ids re-extract everything and
+regenerate nothing; `eagle3pipe gc` and the stages' own size bound keep what dvc.lock,
+experiments and the workspace refer to. What a run computed is read from
+metrics/<stage>_store.json (store.record)."""
 from __future__ import annotations
 
 import contextlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from pipeline import (FAULT_TAG, digest, get_param, kill_group, make_repo, repro, set_param,
-                      sh, start, wait_for)
+from pipeline import (FAULT_TAG, digest, env, get_param, kill_group, make_repo, repro,
+                      set_param, sh, start, wait_for)
 
 pytestmark = pytest.mark.slow
 
 
 def counts(repo: Path, stage: str) -> dict:
-    return json.loads((repo / ".eagle3pipe/runs" / f"{stage}.json").read_text())
+    return json.loads((repo / "metrics" / f"{stage}_store.json").read_text())
 
 
 def entries(repo: Path, kind: str) -> list[Path]:
@@ -28,10 +30,11 @@ def entries(repo: Path, kind: str) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    """The micro pipeline up to extract, 2 samples per engine call (so a kill lands between
-    samples), cold, committed."""
+    """The micro pipeline up to extract, 2 samples per engine call in both data stages (so a
+    kill lands between samples), cold, committed."""
     r = make_repo(tmp_path_factory.mktemp("store") / "repo")
     set_param(r, "extract.batch_size", 2)
+    set_param(r, "dataset.batch_size", 2)
     assert repro(r, "extract") == {"verifier", "configs", "dataset", "extract"}
     sh(r, "git", "add", "-A")
     sh(r, "git", "commit", "-qm", "cold run")
@@ -48,29 +51,41 @@ def test_a_cold_run_computes_everything_and_publishes_links(repo):
     assert len(entries(repo, "hidden")) == n and len(entries(repo, "dataset")) == n
 
 
-def test_extract_killed_half_way_resumes_with_the_rest_and_the_same_bytes(repo):
-    before = digest(repo / "artifacts/hidden")
+def kill_after_some(repo: Path, stage: str, kind: str, out: str) -> int:
+    """Empties the stage's store part, starts `dvc repro -f -s stage`, SIGKILLs the run's
+    process group once >= 2 samples are stored and before all are; returns how many were."""
     n = get_param(repo, "dataset.num_samples")
     for attempt in range(4):  # on a busy machine the run may finish before the kill lands
-        shutil.rmtree(repo / ".eagle3pipe/store/hidden", ignore_errors=True)
-        tag = f"store-kill-{attempt}"
-        proc = start(repo, "dvc", "repro", "-f", "-s", "extract", env_extra={FAULT_TAG: tag})
+        shutil.rmtree(repo / ".eagle3pipe/store" / kind, ignore_errors=True)
+        tag = f"store-kill-{stage}-{attempt}"
+        proc = start(repo, "dvc", "repro", "-f", "-s", stage, env_extra={FAULT_TAG: tag})
         try:
             with contextlib.suppress(AssertionError):  # exited first: too late, try again
-                wait_for("2 stored samples", lambda: len(entries(repo, "hidden")) >= 2,
+                wait_for("2 stored samples", lambda: len(entries(repo, kind)) >= 2,
                          timeout=300, proc=proc, log=repo.parent / "repo.repro.log")
         finally:
             assert kill_group(proc, tag) == {}  # every process of the run is gone
-        done = len(entries(repo, "hidden"))
+        done = len(entries(repo, kind))
         if done < n:
             break
     assert 2 <= done < n, f"killed after {done} of {n}"
-    assert not (repo / "artifacts/hidden/manifest.json").exists()  # nothing half published
+    assert not (repo / out).exists()  # nothing half published (-f removed the old output)
+    return done
+
+
+@pytest.mark.parametrize("stage,kind,out,marker", [
+    ("extract", "hidden", "artifacts/hidden", "manifest.json"),
+    ("dataset", "dataset", "artifacts/dataset", "store_keys.json")])
+def test_a_data_stage_killed_half_way_resumes_with_the_rest_and_the_same_bytes(
+        repo, stage, kind, out, marker):
+    before = digest(repo / out)
+    n = get_param(repo, "dataset.num_samples")
+    done = kill_after_some(repo, stage, kind, f"{out}/{marker}")
     # DVC would restore the old output from its cache (the lock is unchanged): run for real
-    assert repro(repo, "-f", "-s", "extract") == {"extract"}
-    assert counts(repo, "extract")["computed"] == n - done
-    assert counts(repo, "extract")["reused"] == done
-    assert digest(repo / "artifacts/hidden") == before
+    assert repro(repo, "-f", "-s", stage) == {stage}
+    assert counts(repo, stage)["computed"] == n - done
+    assert counts(repo, stage)["reused"] == done
+    assert digest(repo / out) == before
 
 
 def test_growing_the_prompts_computes_only_the_new_samples(repo):
@@ -106,11 +121,19 @@ def test_new_aux_layer_ids_reextract_everything_and_regenerate_nothing(repo):
         set_param(repo, "draft.aux_layer_ids", old)
         repro(repo, "extract")
         sh(repo, "git", "checkout", "--", ".")
-    # the [0, 2, 3] entries are now referenced by nothing: gc removes exactly those
-    r = sh(repo, "eagle3pipe", "gc")
-    assert f"removed {n} unreferenced" in r.stdout, r.stdout
+    # the [0, 2, 3] entries are now referenced by nothing: gc would remove exactly those, and
+    # so does a data stage run with the store bound below what the store holds
+    r = sh(repo, "eagle3pipe", "gc", "--dry-run")
+    assert f"would remove {n} unreferenced" in r.stdout, r.stdout
+    r = subprocess.run(["dvc", "repro", "-f", "-s", "extract"], cwd=repo, capture_output=True,
+                       text=True, env={**env(repo), "EAGLE3PIPE_STORE_MAX_BYTES": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert f"removed {n} unreferenced" in out and "$EAGLE3PIPE_STORE_MAX_BYTES=1" in out, out
+    assert "alone take" in out and "over the bound 1 B" in out, out  # and says it cannot meet it
     assert len(entries(repo, "hidden")) == hidden - n
     assert len(entries(repo, "dataset")) == n
+    assert counts(repo, "extract")["reused"] == n
     assert repro(repo, "extract") == set()
 
 
@@ -124,10 +147,6 @@ def test_gc_with_a_bound_below_the_referenced_entries_says_so(repo):
 def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
     """The stage runner's plan check (eagle3pipe.plan.stage_report) before any compute; the
     free-space figure is faked with $EAGLE3PIPE_FREE_BYTES."""
-    import subprocess
-
-    from pipeline import env
-
     before = digest(repo / "artifacts/dataset")
     r = subprocess.run(["dvc", "repro", "-f", "-s", "dataset"], cwd=repo, capture_output=True,
                        text=True, env={**env(repo), "EAGLE3PIPE_FREE_BYTES": "999"})

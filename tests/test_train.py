@@ -289,6 +289,16 @@ def test_transformer_layer_config_keeps_explicit_head_dim(inputs):
     assert cfg.to_dict() == formats.transformer_layer_config(inputs.arch).to_dict()
 
 
+def test_the_loss_names_params_accept_are_speculators_own():
+    """train.loss is checked against schema.LOSSES without importing speculators; both of
+    speculators' implementations must know every name (and no other)."""
+    from speculators.losses import utils
+
+    from eagle3pipe import schema
+
+    assert set(schema.LOSSES) == set(utils._EAGER_LOSS_FN_MAP) == set(utils._FUSED_LOSS_FN_MAP)
+
+
 def test_cpu_micro_batches_give_the_packed_step(inputs):
     """CPU runs a pack as <=chunk-token micro-batches; weighted by loss-mask share, loss and
     gradient equal one packed forward (speculators' token-weighted mean over the pack)."""

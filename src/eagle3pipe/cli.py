@@ -104,14 +104,13 @@ def cmd_deps(args) -> int:
 
 
 def _size(text: str) -> int:
-    """A byte count: 500000000, 500M, 50G, 1.5T (powers of 1024)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in units else ""
+    """--max-bytes: store.parse_size, as argparse wants its errors."""
+    from eagle3pipe import store
+
     try:
-        return int(float(t[:len(t) - len(unit)]) * units[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 50G)") from None
+        return store.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_gc(args) -> int:

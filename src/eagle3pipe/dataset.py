@@ -280,8 +280,6 @@ def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = Tru
 # Generation
 
 
-GENERATE_CHUNK = 64  # prompts per engine call: a crash loses at most one chunk's replies
-
 
 def reply_keys(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict) -> list[str]:
     """Each prompt's store key: what determines the verifier's greedy reply to it."""
@@ -295,9 +293,10 @@ def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, keys:
              progress: bool = True) -> tuple[list[list[int]], list[str], dict]:
     """Greedy replies of the verifier (vLLM) to each prompt: (token ids, finish reasons, timing).
     Token ids are exactly what the verifier produced, ending with its stop token if it stopped.
-    Replies already in the store (eagle3pipe.store) under `keys` (reply_keys) are reused; the others are generated in
-    chunks of GENERATE_CHUNK prompts and stored as each chunk finishes; no engine starts when
-    none is missing. timing["computed"] counts the prompts generated now."""
+    Replies already in the store (eagle3pipe.store) under `keys` (reply_keys) are reused; the
+    others are generated dataset.batch_size prompts per engine call and stored as each call
+    finishes; no engine starts when none is missing. timing["computed"] counts the prompts
+    generated now."""
     replies = store.Store("dataset")
     todo = list({k: i for i, k in enumerate(keys) if not replies.has(k)}.values())
     timing = {"import_s": 0.0, "engine_start_s": 0.0, "generate_s": 0.0}
@@ -313,8 +312,8 @@ def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, keys:
             sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens,
                                       seed=cfg.seed)
             bar = tqdm(total=len(todo), unit="prompt", desc="generate", disable=not progress)
-            for c in range(0, len(todo), GENERATE_CHUNK):
-                chunk = todo[c:c + GENERATE_CHUNK]
+            for c in range(0, len(todo), cfg.batch_size):
+                chunk = todo[c:c + cfg.batch_size]
                 outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i].prompt_ids)
                                      for i in chunk], sampling, use_tqdm=False)
                 for i, o in zip(chunk, outs):
@@ -446,7 +445,8 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     counts = store.record("dataset", timing["computed"], len(samples) - timing["computed"],
                           skipped, report.read)
     log.info("store %s: %d replies generated, %d reused, %d lines skipped as bad",
-             counts["store"], counts["computed"], counts["reused"], counts["skipped"])
+             store.root(), counts["computed"], counts["reused"], counts["skipped"])
+    store.enforce_bound()
     log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
              "assistant; generation %.2f s (%.0f new tokens/s) after %.1f s engine start",
              metrics["read"], metrics["kept"], metrics["train"], metrics["eval"], skipped,

@@ -272,9 +272,6 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
                            DTYPES[e.dtype])
         total = sum(map(len, splits.values()))
-        stored = store.record("extract", computed, total - computed, 0, total, linked)
-        log.info("store %s: %d samples computed, %d reused, %d published as hard links",
-                 stored["store"], computed, total - computed, linked)
         oracle = oracle_check(v, splits["train"], lambda i: load_file(
             hs.path(keys["train"][i]))["hidden_states"], aux, e)
         counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
@@ -285,6 +282,10 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             "slots": slot_names(aux), "hidden_size": spec.hidden_size,
             "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
             "splits": counts, "store_keys": keys})  # what `eagle3pipe gc` keeps
+    store.record("extract", computed, total - computed, 0, total, linked)
+    log.info("store %s: %d samples computed, %d reused, %d published as hard links",
+             store.root(), computed, total - computed, linked)
+    store.enforce_bound()
     return _metrics(out_dir, spec, counts, seconds, settings, e, oracle)
 
 

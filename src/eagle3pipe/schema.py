@@ -98,6 +98,8 @@ class DatasetParams:
     max_prompt_tokens: int = spec("prompt tokens kept per sample", min=1)
     max_new_tokens: int = spec("tokens the verifier regenerates per response", min=1)
     max_seq_len: int = spec("longest tokenized conversation", min=8)
+    batch_size: int = spec("prompts per engine call; each call's replies are stored as it "
+                           "finishes (a crash loses at most one call's)", min=1)
     eval_fraction: float = spec("share of samples held out for draft evaluation", min=0.0)
     on_bad_input: str = spec("what a bad JSONL line does", choices=("skip", "error"))
     seed: int = spec("sampling/split seed", min=0)
@@ -114,6 +116,11 @@ class ExtractParams:
                                    min=0.0)
 
 
+# speculators 0.9's loss names (speculators/losses/utils.py, _EAGER_LOSS_FN_MAP and
+# _FUSED_LOSS_FN_MAP; tests/test_train.py checks this list against them)
+LOSSES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
+
+
 @dataclass(frozen=True)
 class TrainParams:
     seed: int = spec("training seed", min=0)
@@ -126,6 +133,10 @@ class TrainParams:
     weight_decay: float = spec("AdamW weight decay", min=0.0)
     warmup_steps: int = spec("linear warm-up steps before cosine decay", min=0)
     ttt_steps: int = spec("test-time-training unroll steps", min=1)
+    loss: str = spec("speculators' training loss by its name in speculators.losses: kl_div "
+                     "(its EAGLE-3 default, forward KL to the verifier's distribution), ce "
+                     "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "
+                     "lk_hybrid", choices=LOSSES)
     eval_every: int = spec("steps between eval-loss logs", min=1)
 
 

@@ -18,21 +18,32 @@ allows (no second copy on disk), else copies. DVC's view stays exact: the output
 outputs with content hashes; the store is only where their pieces were computed.
 
 Where: `.eagle3pipe/store/` under the project root (git-ignored), or $EAGLE3PIPE_STORE. What
-each run computed, reused and skipped: `.eagle3pipe/runs/<stage>.json` (record).
-`eagle3pipe gc` keeps every entry that a committed dvc.lock or a DVC experiment still refers to
-and removes the rest, oldest first, down to --max-bytes.
+each run computed, reused and skipped: `metrics/<stage>_store.json` (record), a top-level
+metrics file of dvc.yaml, not a stage output.
+
+Size: after publishing, each data stage removes unreferenced entries, oldest first, until the
+store holds at most $EAGLE3PIPE_STORE_MAX_BYTES (default DEFAULT_BOUND; enforce_bound), and
+`eagle3pipe gc [--max-bytes]` does the same on demand. Both keep every entry that the
+workspace's outputs, a dvc.lock on any git ref or a DVC experiment still refers to (referenced):
+the bound is never met by deleting what a checkout would need; the log says when those alone
+exceed it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+log = logging.getLogger("eagle3pipe.store")
+
 STORE_VERSION = 1
 STORE_ENV = "EAGLE3PIPE_STORE"
+BOUND_ENV = "EAGLE3PIPE_STORE_MAX_BYTES"
+DEFAULT_BOUND = "50G"  # like ccache's max_size: a machine setting, so not in params.yaml
 DEFAULT_ROOT = ".eagle3pipe/store"
 KINDS = {"dataset": ".json", "hidden": ".safetensors"}
 
@@ -99,26 +110,76 @@ def publish(src: Path, dst: Path) -> bool:
         return False
 
 
-RUNS = ".eagle3pipe/runs"  # the last run's counts per stage, under the project root
+def counts_path(stage: str) -> Path:
+    """metrics/<stage>_store.json: dvc.yaml lists it as a top-level metrics file."""
+    return Path("metrics") / f"{stage}_store.json"
 
 
 def record(stage: str, computed: int, reused: int, skipped: int, total: int,
            linked: int | None = None) -> dict:
     """Writes (and returns) what a data stage's run did with its input: computed now, reused
-    from the store, skipped as bad; they add up to the input. These depend on the store's
-    history, not only on the params, so they are not in the stage's DVC metrics (which are
-    byte-identical across clones and reruns) but in .eagle3pipe/runs/<stage>.json and the log."""
+    from the store, skipped as bad; they add up to the input. They depend on the store's
+    history, not only on the params, so they are not in the stage's DVC outputs (which are
+    byte-identical across clones and reruns) but in counts_path(stage), which `dvc metrics
+    show` lists and no stage depends on (as smoke's timing file). Written after the stage's
+    output is published; a stage DVC restores from its run cache does not run, so the file
+    keeps describing the last run that computed."""
     from eagle3pipe.runtime import write_json
 
     if computed + reused + skipped != total:
         raise AssertionError(f"store counts {computed} + {reused} + {skipped} != {total}")
-    out = {"computed": computed, "reused": reused, "skipped": skipped, "total": total,
-           "store": str(root())}
+    out = {"computed": computed, "reused": reused, "skipped": skipped, "total": total}
     if linked is not None:
         out["published_as_links"] = linked
-    Path(RUNS).mkdir(parents=True, exist_ok=True)
-    write_json(Path(RUNS) / f"{stage}.json", out)
+    counts_path(stage).parent.mkdir(parents=True, exist_ok=True)
+    write_json(counts_path(stage), out)
     return out
+
+
+def parse_size(text: str) -> int:
+    """A byte count: 500000000, 500M, 50G, 1.5T (powers of 1024); ValueError otherwise."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        n = float(t[:len(t) - len(unit)])
+    except ValueError:
+        n = -1.0
+    if not n >= 0:
+        raise ValueError(f"{text!r} is not a size (e.g. 500M, 50G)")
+    return int(n * units[unit])
+
+
+def bound() -> tuple[int, str]:
+    """The store's size bound in bytes and where it came from."""
+    from eagle3pipe.errors import Error
+
+    text = os.environ.get(BOUND_ENV)
+    if not text:
+        return parse_size(DEFAULT_BOUND), f"the default {DEFAULT_BOUND}; set ${BOUND_ENV}"
+    try:
+        return parse_size(text), f"${BOUND_ENV}={text}"
+    except ValueError as e:
+        raise Error(f"${BOUND_ENV}: {e}", fix=f"set it to a size such as 50G, or unset it for "
+                    f"the default {DEFAULT_BOUND}") from None
+
+
+def enforce_bound(repo: Path = Path(".")) -> dict:
+    """Run by each data stage after it published: gc() down to bound(), logged."""
+    from eagle3pipe.plan import human
+
+    limit, source = bound()
+    r = gc(repo, limit)
+    log.info("store %s: %d entries, %s; bound %s (%s); removed %d unreferenced (%s)",
+             r["store"], r["entries"] - r["removed"], human(r["bytes_after"]), human(limit),
+             source, r["removed"], human(r["freed_bytes"]))
+    if r["over_bound"]:
+        log.warning("store %s: the entries the workspace, dvc.lock and experiments refer to "
+                    "alone take %s, over the bound %s (%s); fix: raise the bound, or drop old "
+                    "experiments (`dvc exp remove`) and commits' outputs you no longer need, "
+                    "then run `eagle3pipe gc`", r["store"], human(r["bytes_after"]),
+                    human(limit), source)
+    return r
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,6 @@ from eagle3pipe.verifier import Verifier, VerifierInfo
 
 log = logging.getLogger("eagle3pipe.train")
 
-LOSS_FN = "kl_div"                # speculators' default for EAGLE-3 (forward KL to the verifier)
 TTT_STEP_LOSS_DECAY = 1.0         # speculators' default: every TTT step weighted equally
 GRAD_CLIP = 1.0                   # speculators' Trainer clips at 1.0
 
@@ -258,7 +257,7 @@ def build_state(p, arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch
     torch.manual_seed(p.seed)
     core = build_model(arch, verifier_dir, d2t, t2d, speculative_tokens=p.ttt_steps,
                        attn_impl=backend.attn_impl).to(d.device)
-    loss_config = resolve_loss_config(LOSS_FN, backend.loss_impl)
+    loss_config = resolve_loss_config(p.loss, backend.loss_impl)
     model = wrap_model(core, d)
     lengths = train_data.lengths
     packs = [batches.epoch_batches(lengths, p.batch_tokens, p.seed, e) for e in range(p.epochs)]
@@ -334,9 +333,9 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
     from tqdm import tqdm
 
     log.info("train: %d samples, %d steps (%d epochs x %d packs of <= %d tokens), %d eval "
-             "packs, device %s x %d, attention %s, loss %s", len(s.train.lengths), s.limit,
-             s.p.epochs, len(s.per_epoch[0]), s.p.batch_tokens, len(s.eval_packs),
-             s.d.device.type, s.d.world, s.backend.attn_impl, s.backend.loss_impl)
+             "packs, device %s x %d, attention %s, loss %s (%s)", len(s.train.lengths),
+             s.limit, s.p.epochs, len(s.per_epoch[0]), s.p.batch_tokens, len(s.eval_packs),
+             s.d.device.type, s.d.world, s.backend.attn_impl, s.p.loss, s.backend.loss_impl)
     metrics = Metrics(metrics_dir if s.d.main else None)
     ev = evaluate(s)
     log.info("step 0: eval loss %.4f", ev["loss"])

@@ -18,7 +18,7 @@ import pytest
 from ruamel.yaml import YAML
 
 import drafts
-from eagle3pipe import smoke
+from eagle3pipe import prompts, smoke, speed
 from eagle3pipe.errors import EXIT_CODE
 
 from conftest import engine_settings
@@ -102,8 +102,8 @@ def test_k_sweep_is_checked_and_includes_the_serving_k():
         ks([1, 2, 1])
 
 
-def _pass(seconds: dict, tokens: dict) -> smoke.Pass:
-    return smoke.Pass([], seconds, tokens)
+def _pass(seconds: dict, tokens: dict) -> speed.Pass:
+    return speed.Pass([], seconds, tokens)
 
 
 def test_speed_and_speedup_are_medians_with_their_spread():
@@ -115,14 +115,14 @@ def test_speed_and_speedup_are_medians_with_their_spread():
     fast = [_pass({"a": 1.0, "b": 1.0}, {"a": 100, "b": 100}),  # 100 (x2.0 in its round)
             _pass({"a": 1.0, "b": 0.25}, {"a": 100, "b": 100}),  # 160 (x1.6)
             _pass({"a": 1.0, "b": 3.0}, {"a": 100, "b": 100})]  # 50 (x2.0)
-    s = smoke.speed(ref)
+    s = speed.speed(ref)
     assert s["output_tokens_per_s"] == {"median": 50.0, "min": 25.0, "max": 100.0}
     assert s["ms_per_output_token"] == {"median": 20.0, "min": 10.0, "max": 40.0}
     assert s["seconds"] == [4.0, 2.0, 8.0]
-    assert smoke.speedup(fast, ref) == {"median": 2.0, "min": 1.6, "max": 2.0, "best": 1.6}
+    assert speed.speedup(fast, ref) == {"median": 2.0, "min": 1.6, "max": 2.0, "best": 1.6}
     # one domain: b's batches alone (50, 100, 25 vs 100, 400, 33.3 tokens/s)
-    assert smoke.speedup(fast, ref, ["b"])["median"] == 2.0
-    assert smoke.speed(fast, ["b"])["output_tokens_per_s"]["max"] == 400.0
+    assert speed.speedup(fast, ref, ["b"])["median"] == 2.0
+    assert speed.speed(fast, ["b"])["output_tokens_per_s"]["max"] == 400.0
 
 
 def _tokenizer(verifier):
@@ -163,8 +163,8 @@ def test_bad_prompt_line_names_file_line_and_fix(micro_verifier, tmp_path, what,
     path.parent.mkdir()
     raw = line if isinstance(line, bytes) else line.encode()
     path.write_bytes(_line(USER, domain="ok").encode() + b"\n\n" + raw + b"\n")
-    with pytest.raises(smoke.SmokeError) as e:
-        smoke.read_prompts(path, _tokenizer(micro_verifier), 10, lambda key: "params.yaml:7")
+    with pytest.raises(prompts.PromptsError) as e:
+        prompts.read_prompts(path, _tokenizer(micro_verifier), 10, lambda key: "params.yaml:7")
     msg = str(e.value)
     assert msg.startswith(f"{path}:3: ") and re.search(message, msg), msg
     assert "smoke.prompts at params.yaml:7" in msg and "\n    fix: " in msg, msg
@@ -176,14 +176,14 @@ def test_prompts_file_domains_limit_and_bom(micro_verifier, tmp_path):
         _line(USER, domain="code"), "", _line([{"role": "system", "content": "be brief"},
                                               *USER]),
         _line(USER, domain="code"), _line(USER, domain="never read")]).encode())
-    got = smoke.read_prompts(path, _tokenizer(micro_verifier), 3)
+    got = prompts.read_prompts(path, _tokenizer(micro_verifier), 3)
     assert [(p.domain, p.source) for p in got] == [
         ("code", f"{path}:1"), ("default", f"{path}:3"), ("code", f"{path}:4")]
     assert len(got[1].ids) > len(got[0].ids)  # the system turn is in the prompt
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    with pytest.raises(smoke.SmokeError, match=r"empty.jsonl: no prompt in it"):
-        smoke.read_prompts(empty, _tokenizer(micro_verifier), 3)
+    with pytest.raises(prompts.PromptsError, match=r"empty.jsonl: no prompt in it"):
+        prompts.read_prompts(empty, _tokenizer(micro_verifier), 3)
 
 
 def test_prompts_must_lie_in_the_stages_dvc_dep(tmp_path, monkeypatch):
@@ -192,21 +192,21 @@ def test_prompts_must_lie_in_the_stages_dvc_dep(tmp_path, monkeypatch):
     from ruamel.yaml import YAML as _YAML
 
     body = _YAML(typ="safe").load((ROOT / "dvc.yaml").read_text())["stages"]["smoke"]
-    assert smoke.PROMPTS_DIR in body["deps"]
-    assert (ROOT / smoke.PROMPTS_DIR).is_dir()  # a fresh clone has it (DVC needs the dep)
+    assert prompts.PROMPTS_DIR in body["deps"]
+    assert (ROOT / prompts.PROMPTS_DIR).is_dir()  # a fresh clone has it (DVC needs the dep)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "x.jsonl").write_text(_line(USER) + "\n")
     (tmp_path / "elsewhere.jsonl").write_text(_line(USER) + "\n")
-    assert smoke.prompts_path("prompts/x.jsonl") == Path("prompts/x.jsonl")
-    assert smoke.prompts_path("./prompts/x.jsonl") == Path("prompts/x.jsonl")
+    assert prompts.prompts_path("prompts/x.jsonl") == Path("prompts/x.jsonl")
+    assert prompts.prompts_path("./prompts/x.jsonl") == Path("prompts/x.jsonl")
     for bad in ("elsewhere.jsonl", str(tmp_path / "prompts" / "x.jsonl"),
                 "prompts/../elsewhere.jsonl", "prompts"):
-        with pytest.raises(smoke.SmokeError, match=r"params.yaml:3: smoke.prompts: .* is not "
-                                                   r"inside prompts/[\s\S]*fix: put the file"):
-            smoke.prompts_path(bad, lambda key: "params.yaml:3")
-    with pytest.raises(smoke.SmokeError, match=r"prompts/y.jsonl not found"):
-        smoke.prompts_path("prompts/y.jsonl")
+        with pytest.raises(prompts.PromptsError, match=r"params.yaml:3: smoke.prompts: .* is "
+                                                       r"not inside prompts/[\s\S]*fix: put"):
+            prompts.prompts_path(bad, lambda key: "params.yaml:3")
+    with pytest.raises(prompts.PromptsError, match=r"prompts/y.jsonl not found"):
+        prompts.prompts_path("prompts/y.jsonl")
 
 
 def test_wall_clock_outputs_stay_out_of_dvc_lock():

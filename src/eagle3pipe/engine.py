@@ -101,41 +101,14 @@ def engine(settings: dict[str, Any], model_dir: str | Path, *,
            kv_transfer_config: dict | None = None, stats: bool = False,
            threads: int | None = None) -> Iterator[Any]:
     """One vLLM engine with the run's settings: yields the `LLM`; on exit shuts it down and
-    frees it.
-
-    Sets the environment before importing vLLM, and torch's thread count to `threads` (None: as
-    it is). vLLM's workers change that count and its CPU worker replaces torch.set_num_threads
-    with a no-op for the rest of the process, so both are restored on exit. Runs inside
-    frozen_heap(). The LLM is unusable after the block: its engine is dropped there, so that a
+    frees it. `engines()` with one engine: the environment, thread count and frozen heap are
+    handled there. The LLM is unusable after the block: its engine is dropped there, so that a
     reference the caller still holds keeps no weights or KV cache alive into the next engine's
     memory check."""
-    import torch
-
-    environment(settings)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    set_threads, count = torch.set_num_threads, torch.get_num_threads()
-    try:
-        from vllm import LLM
-
-        if not _cuda():
-            _tolerate_foreign_dicts()
-        kw = engine_kwargs(settings, model_dir, tokenizer=tokenizer, stats=stats,
-                           speculative_config=speculative_config,
-                           kv_transfer_config=kv_transfer_config)
-        with frozen_heap():
-            llm = None
-            try:
-                llm = LLM(**kw)
-                yield llm
-            finally:
-                if llm is not None:
-                    _shutdown(llm)
-                llm = None
-                cleanup()
-    finally:
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(count)
+    with engines(settings, model_dir, tokenizer=tokenizer, stats=stats,
+                 threads=threads) as pool:
+        llm = pool.start(speculative_config, kv_transfer_config=kv_transfer_config)
+        yield llm
 
 
 class Engines:
@@ -147,13 +120,16 @@ class Engines:
         self._tokenizer, self._stats = tokenizer, stats
         self.open: list[Any] = []
 
-    def start(self, speculative_config: dict | None = None) -> Any:
-        """A new `LLM` with the run's settings. vLLM re-registers its Prometheus counters at
-        every engine start, so `LLM.get_metrics()` reports the engine started last."""
+    def start(self, speculative_config: dict | None = None, *,
+              kv_transfer_config: dict | None = None) -> Any:
+        """A new `LLM` with the run's settings (plus speculation or a KV connector). vLLM
+        re-registers its Prometheus counters at every engine start, so `LLM.get_metrics()`
+        reports the engine started last."""
         from vllm import LLM
 
         llm = LLM(**engine_kwargs(self._settings, self._model_dir, tokenizer=self._tokenizer,
-                                  stats=self._stats, speculative_config=speculative_config))
+                                  stats=self._stats, speculative_config=speculative_config,
+                                  kv_transfer_config=kv_transfer_config))
         self.open.append(llm)
         return llm
 
@@ -170,11 +146,15 @@ class Engines:
 def engines(settings: dict[str, Any], model_dir: str | Path, *,
             tokenizer: str | Path | None = None, stats: bool = False,
             threads: int | None = None) -> Iterator[Engines]:
-    """Several vLLM engines of one run alive at once in this process (the smoke stage times
-    its methods in interleaved rounds, so that a busy machine slows every method alike): yields
-    an `Engines`; on exit every engine still open is shut down and the distributed state is torn
-    down once (cleanup() after each engine would tear down what the others still use). The
-    environment, thread count and frozen heap are handled as in `engine()`."""
+    """vLLM engines of one run, several alive at once if wanted (the smoke stage times its
+    methods in interleaved rounds, so that a busy machine slows every method alike): yields an
+    `Engines`; on exit every engine still open is shut down and the distributed state is torn
+    down once (cleanup() after each engine would tear down what the others still use).
+
+    Sets the environment before importing vLLM, and torch's thread count to `threads` (None: as
+    it is). vLLM's workers change that count and its CPU worker replaces torch.set_num_threads
+    with a no-op for the rest of the process, so both are restored on exit. Runs inside
+    frozen_heap()."""
     import torch
 
     environment(settings)

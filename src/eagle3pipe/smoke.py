@@ -19,20 +19,15 @@ speculators export holds the same weights) and ngram at other k; the sweep recom
 never rewrites one (vLLM takes another k at serving time from the speculative_config's
 `num_speculative_tokens`, without a re-export).
 
-Prompts: the held-out stdlib snippets (`smoke.prompts: null`, one domain "stdlib"), or a JSONL
-of chat prompts under prompts/ (the directory is a DVC dep of the stage), one per line:
-{"messages": [{"role", "content"}, ...], "domain": "..."} (domain optional: "default"); the
-last turn is the user turn the verifier answers. Each domain is generated as one batch, and
-acceptance and speed are reported per domain as well as overall.
+Prompts (eagle3pipe.prompts): the held-out stdlib snippets, or a JSONL of chat prompts under
+prompts/ with an optional domain; each domain is generated as one batch, and acceptance and
+speed are reported per domain as well as overall.
 
-Speed: every engine of a run lives in this process at once (engine.engines). After each
-engine's first generation (the counted one: lossless check and acceptance counters, on a fresh
-engine), `smoke.timing_rounds` rounds follow in which the non-speculative engine and every
-speculative engine of a k generate the whole prompt set once each, in alternating order (A B C,
-C B A, ...), so that other work on the machine slows every method alike. Output tokens/s and
-time per output token are medians over the rounds with their min and max; a method's speedup is
-the ratio of its median tokens/s to the non-speculative one's in the same rounds, with the
-spread of the per-round ratios.
+Speed (eagle3pipe.speed): every engine of a run lives in this process at once (engine.engines).
+After each engine's first generation (the counted one: lossless check and acceptance counters,
+on a fresh engine), `smoke.timing_rounds` rounds follow in which the non-speculative engine and
+every speculative engine of a k generate the whole prompt set once each, in alternating order
+(A B C, C B A, ...), so that other work on the machine slows every method alike.
 
 Outputs: metrics/smoke.json is deterministic (counts and 4-decimal floats, no timings);
 wall-clock figures go to metrics/smoke_timing.json, and the plot data to plots/ (acceptance per
@@ -42,8 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,15 +44,16 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from eagle3pipe import engine, preflight, runtime, samples, vllm_load
+from eagle3pipe import engine, preflight, prompts, runtime, vllm_load
 from eagle3pipe.errors import Error
+from eagle3pipe.prompts import STDLIB_SOURCE, Prompt
+from eagle3pipe.speed import REFERENCE, CpuMeter, Pass, timing_of
 from eagle3pipe.verifier import Verifier
 
 log = logging.getLogger("eagle3pipe.smoke")
 
 FORMATS = ("vllm", "speculators")  # artifacts/export/<format>/
 NGRAM = "ngram"
-REFERENCE = "non-speculative"
 SWEPT = ("vllm", NGRAM)  # what the k sweep runs: the draft (vllm layout) and the baseline
 COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
@@ -68,11 +62,6 @@ COUNTERS = {
     "accepted_per_position": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 ROUND = 4
-BUSY = 0.15  # other processes' CPU share above which the timings are flagged unreliable
-PROMPTS_DIR = "prompts"  # a dep of the smoke stage in dvc.yaml: smoke.prompts must lie in it
-STDLIB_DOMAIN = "stdlib"  # the held-out stdlib prompts (smoke.prompts: null)
-DEFAULT_DOMAIN = "default"  # a JSONL prompt without "domain"
-PROMPT_LINE = '{"messages": [{"role": "user", "content": "..."}], "domain": "..."}'
 # the stage's other outputs, beside its --metrics and --plots paths (dvc.yaml names them too)
 TIMING_NAME = "smoke_timing.json"
 K_ACCEPTANCE_NAME = "smoke_k_acceptance.json"
@@ -145,109 +134,6 @@ def sweep_ks(s, k: int, where: Callable[[str], str] = _default_where) -> list[in
     return sorted(set(ks) | {k}) if ks else []
 
 
-@dataclass(frozen=True)
-class Prompt:
-    ids: list[int]  # chat-templated prompt token ids
-    domain: str
-    source: str  # where it came from, for messages: "prompts/x.jsonl:7", "stdlib held-out #3"
-
-
-def chat_ids(tok, messages: list[dict]) -> list[int]:
-    """Messages formatted with the verifier's chat template (add_generation_prompt=True) and
-    tokenized once, so vLLM adds no second BOS."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
-    """Held-out corpus snippets as user turns, tokenized with the chat template."""
-    from eagle3pipe import corpus
-
-    try:
-        texts = corpus.snippets("heldout", num_prompts, seed=seed)
-    except RuntimeError as e:
-        raise SmokeError(f"smoke.num_prompts: {e}") from None
-    return [chat_ids(tok, [{"role": "user", "content": text}]) for text in texts]
-
-
-def prompts_path(value: str, where: Callable[[str], str] = _default_where) -> Path:
-    """smoke.prompts as a path inside prompts/ (the stage's DVC dep, so that editing the file
-    reruns the stage); any other place is refused."""
-    fix = (f"put the file under {PROMPTS_DIR}/ (a dep of the smoke stage in dvc.yaml: DVC "
-           f"reruns the stage when it changes) and set smoke.prompts: {PROMPTS_DIR}/<name>.jsonl")
-    rel = os.path.normpath(value)
-    parts = Path(rel).parts
-    if os.path.isabs(value) or len(parts) < 2 or parts[0] != PROMPTS_DIR:
-        raise SmokeError(f"{where('smoke.prompts')}: smoke.prompts: {value} is not inside "
-                         f"{PROMPTS_DIR}/, so DVC would not rerun the smoke stage when it "
-                         "changes", fix=fix)
-    path = Path(rel)
-    if not path.is_file():
-        state = "is not a file" if path.exists() else "not found"
-        raise SmokeError(f"{where('smoke.prompts')}: smoke.prompts: {path} {state} (relative "
-                         "to the project root)", fix=fix)
-    return path
-
-
-def _prompt_problem(row: Any) -> tuple[str, str] | None:
-    """(what is wrong, the fix) with one parsed prompt line, or None."""
-    json_type, message_problem = samples.json_type, samples.message_problem
-    if not isinstance(row, dict):
-        return f"the line is a JSON {json_type(row)}, not an object", f"write {PROMPT_LINE}"
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        got = "no \"messages\"" if "messages" not in row else \
-            f"\"messages\" is a JSON {json_type(messages)}" if not isinstance(messages, list) \
-            else "\"messages\" is empty"
-        return f"{got}; a prompt needs a non-empty list of turns", f"write {PROMPT_LINE}"
-    for j, m in enumerate(messages):
-        problem = message_problem(j, m)
-        if problem:
-            return problem, ('make every message an object with a "role" (system, user or '
-                             'assistant) and a string "content"')
-    if messages[-1]["role"] != "user":
-        return (f"the last turn is {messages[-1]['role']!r}; the verifier answers the last "
-                "turn, which must be the user's", "end the conversation with a user turn")
-    domain = row.get("domain", DEFAULT_DOMAIN)
-    if not isinstance(domain, str) or not domain.strip():
-        return (f"\"domain\" is {str(domain)[:40]!r}, not a non-empty string",
-                "name the domain with a string, or leave \"domain\" out")
-    return None
-
-
-def read_prompts(path: Path, tok, limit: int, where: Callable[[str], str] = _default_where
-                 ) -> list[Prompt]:
-    """The first `limit` prompts of a JSONL of chat prompts; a bad line is an error naming
-    file:line, the fix and the params key. The JSON of each line is read by the project's one
-    JSON-line parser (samples.parse_line) and its turns by samples.message_problem."""
-    key = f"smoke.prompts at {where('smoke.prompts')}"
-    out: list[Prompt] = []
-    try:
-        fh = path.open("rb")
-    except OSError as e:
-        raise SmokeError(f"{path}: cannot read it ({e.strerror}); {key}") from None
-    with fh:
-        for lineno, raw in enumerate(fh, 1):
-            if len(out) >= limit:
-                break
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
-                raw = raw[3:]
-            if not raw.strip():
-                continue
-            row, err = samples.parse_line(raw)
-            problem = (err, "make the line one complete JSON object: " + PROMPT_LINE) if err \
-                else _prompt_problem(row)
-            if problem:
-                raise SmokeError(f"{path}:{lineno}: {problem[0]} ({key})", fix=problem[1])
-            messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-            out.append(Prompt(chat_ids(tok, messages), row.get("domain", DEFAULT_DOMAIN),
-                              f"{path}:{lineno}"))
-    if not out:
-        raise SmokeError(f"{path}: no prompt in it (empty, or only blank lines; {key})",
-                         fix=f"one prompt per line: {PROMPT_LINE}")
-    return out
-
-
 @dataclass
 class Inputs:
     """What every engine of a smoke run shares."""
@@ -259,7 +145,7 @@ class Inputs:
     settings: dict  # the run's vLLM engine settings (engine.settings_of)
     verifier: Verifier
     sweep: list[int] = field(default_factory=list)  # k values of the sweep ([]: none)
-    source: str = "stdlib:heldout"  # smoke.prompts, or the stdlib's held-out part
+    source: str = STDLIB_SOURCE  # smoke.prompts, or the stdlib's held-out part
 
     @property
     def domains(self) -> dict[str, list[int]]:
@@ -280,19 +166,12 @@ def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | P
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tok = v.tokenizer()
-    if s.prompts is None:
-        prompts = [Prompt(ids, STDLIB_DOMAIN, f"stdlib held-out prompt {i}")
-                   for i, ids in enumerate(build_prompts(tok, s.num_prompts, s.seed))]
-        source = "stdlib:heldout"
-    else:
-        path = prompts_path(s.prompts, where)
-        prompts = read_prompts(path, tok, s.num_prompts, where)
-        source = str(path)
-    longest = max(prompts, key=lambda p: len(p.ids))
+    ps, source = prompts.load(s, tok, where)
+    longest = max(ps, key=lambda p: len(p.ids))
     kmax = max([k, *sweep])
     log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "
              "max_tokens %d", v.model_dir, k, f", k sweep {sweep}" if sweep else "",
-             len(prompts), source, len({p.domain for p in prompts}), len(longest.ids),
+             len(ps), source, len({p.domain for p in ps}), len(longest.ids),
              s.max_tokens)
     need = len(longest.ids) + s.max_tokens + kmax + 1
     if need > settings["max_model_len"]:
@@ -302,7 +181,7 @@ def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | P
                          + (f" (k = {kmax}, the largest of the k sweep)" if kmax > k else ""),
                          fix=f"raise vllm.max_model_len to at least {need} or lower "
                          "smoke.max_tokens" + (" or shorten the prompt" if s.prompts else ""))
-    return Inputs(exports, k, v.model_dir, tok, prompts, settings, v, sweep, source)
+    return Inputs(exports, k, v.model_dir, tok, ps, settings, v, sweep, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,15 +207,6 @@ def check_loads(s, inp: Inputs) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # engines
-
-
-@dataclass
-class Pass:
-    """One generation of the whole prompt set by one engine: one batch per domain."""
-    token_ids: list[list[int]]  # in prompt order
-    seconds: dict[str, float]  # by domain
-    tokens: dict[str, int]  # output tokens by domain
-    counters: dict[str, dict] = field(default_factory=dict)  # by domain (the counted pass)
 
 
 @dataclass
@@ -515,52 +385,6 @@ def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
     return Measured(reference, runs, timed, seconds, meter.other_share())
 
 
-class CpuMeter:
-    """How much CPU time other processes took while it ran (resumed .. paused, possibly several
-    times): all busy CPU time (/proc/stat) minus this process's own (getrusage), as a share of
-    wall time x cores. Two threads on few cores: any other work stalls them, and the timings
-    say little above ~15%."""
-
-    def __init__(self):
-        self.wall = self.other = 0.0
-        self._at: tuple[float, float, float] | None = None
-        self.available = self._busy() is not None
-
-    @staticmethod
-    def _busy() -> float | None:
-        try:
-            with open("/proc/stat") as fh:
-                f = [int(x) for x in fh.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
-        return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own() -> float:
-        import resource
-
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    def resume(self) -> None:
-        if self.available:
-            self._at = (time.perf_counter(), self._busy() or 0.0, self._own())
-
-    def pause(self) -> None:
-        if self._at is None:
-            return
-        t0, busy0, own0 = self._at
-        self.wall += time.perf_counter() - t0
-        self.other += max(0.0, ((self._busy() or 0.0) - busy0) - (self._own() - own0))
-        self._at = None
-
-    def other_share(self) -> float | None:
-        if not self.available or self.wall <= 0:
-            return None
-        return round(self.other / (self.wall * (os.cpu_count() or 1)), 3)
-
-
 # ---------------------------------------------------------------------------------------------
 # metrics
 
@@ -728,111 +552,6 @@ def sweep_rows(sweep: dict[str, dict], value: Callable[[dict], float]) -> list[d
 # timing (metrics/smoke_timing.json: wall clock, not deterministic)
 
 
-def _sig(x: float, n: int = 4) -> float:
-    return float(f"{x:.{n}g}")
-
-
-def spread(values: list[float]) -> dict:
-    """Median, min and max (4 significant digits)."""
-    return {"median": _sig(statistics.median(values)), "min": _sig(min(values)),
-            "max": _sig(max(values))}
-
-
-def speed(passes: list[Pass], domains: list[str] | None = None) -> dict:
-    """Output tokens/s and ms per output token of each timed pass (over `domains`, default
-    all), as median, min and max, and the pass seconds."""
-    tps, secs = [], []
-    for p in passes:
-        ds = domains or list(p.seconds)
-        sec, tok = sum(p.seconds[d] for d in ds), sum(p.tokens[d] for d in ds)
-        secs.append(sec)
-        tps.append(tok / sec if sec > 0 else 0.0)
-    return {"output_tokens_per_s": spread(tps),
-            "ms_per_output_token": spread([1000.0 / t if t else 0.0 for t in tps]),
-            "seconds": [_sig(x) for x in secs]}
-
-
-def speedup(passes: list[Pass], ref: list[Pass], domains: list[str] | None = None) -> dict:
-    """Median tokens/s over the reference's median tokens/s of the same rounds (`median`), the
-    min and max of the per-round ratios (pass r of both was timed in round r), and the ratio
-    of the fastest passes (`best`: other work only ever slows a pass down)."""
-    def tps(p: Pass) -> float:
-        ds = domains or list(p.seconds)
-        sec = sum(p.seconds[d] for d in ds)
-        return sum(p.tokens[d] for d in ds) / sec if sec > 0 else 0.0
-
-    a, b = [tps(p) for p in passes], [tps(p) for p in ref]
-    ratios = [x / y for x, y in zip(a, b) if y > 0]
-    med_b = statistics.median(b)
-    return {"median": _sig(statistics.median(a) / med_b) if med_b else 0.0,
-            "min": _sig(min(ratios)) if ratios else 0.0,
-            "max": _sig(max(ratios)) if ratios else 0.0,
-            "best": _sig(max(a) / max(b)) if max(b) else 0.0}
-
-
-def timing_of(s, inp: Inputs, m: Measured, *, stage_seconds: float,
-              metrics_sha256: str) -> dict:
-    """metrics/smoke_timing.json: speed of every method at the serving k (overall and by
-    domain), speedup and acceptance-free speed per k of the sweep, the best k, where the time
-    went. Flat `speedup` and `output_tokens_per_s` maps for `dvc metrics show`."""
-    k = inp.k
-    ref = m.timed[(REFERENCE, k)]
-    methods: dict[str, dict] = {REFERENCE: speed(ref)}
-    for (name, kk), passes in m.timed.items():
-        if kk == k and name != REFERENCE:
-            methods[name] = {**speed(passes), "speedup": speedup(passes, ref)}
-    out: dict[str, Any] = {
-        "num_speculative_tokens": k,
-        "timing_rounds": s.timing_rounds,
-        "num_prompts": len(inp.prompts),
-        "max_tokens": s.max_tokens,
-        "prompts": inp.source,
-        "methods": methods,
-        "speedup": {n: r["speedup"]["median"] for n, r in methods.items() if "speedup" in r},
-        "output_tokens_per_s": {n: r["output_tokens_per_s"]["median"]
-                                for n, r in methods.items()},
-        "ms_per_output_token": {n: r["ms_per_output_token"]["median"]
-                                for n, r in methods.items()},
-    }
-    if len(inp.domains) > 1 or inp.source != "stdlib:heldout":
-        out["domains"] = {
-            d: {name: {**speed(m.timed[(name, k)], [d]),
-                       **({"speedup": speedup(m.timed[(name, k)], ref, [d])}
-                          if name != REFERENCE else {})}
-                for name in methods}
-            for d in inp.domains}
-    if inp.sweep:
-        sweep: dict[str, dict] = {}
-        for kk in inp.sweep:
-            ref_k = m.timed[(REFERENCE, kk)]
-            sweep[str(kk)] = {name: {**speed(m.timed[(name, kk)]),
-                                     "speedup": speedup(m.timed[(name, kk)], ref_k)}
-                              for name in SWEPT}
-        out["k_sweep"] = sweep
-        out["best_k"] = {}
-        for name in SWEPT:
-            best = max(inp.sweep, key=lambda kk: sweep[str(kk)][name]["speedup"]["median"])
-            out["best_k"][name] = {"k": best,
-                                   "speedup": sweep[str(best)][name]["speedup"]["median"]}
-        # the serving default beside the recommendation (params are never rewritten)
-        out["best_k"]["serving_k"] = k
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = []
-    out["seconds"] = {"stage": _sig(stage_seconds),
-                      **{n: _sig(v) for n, v in m.seconds.items()}}
-    share = m.other_cpu_share
-    out["machine"] = {"cpu_count": os.cpu_count(), "loadavg_at_end": load,
-                      "other_processes_cpu_share": share,
-                      "busy_warning": None if share is None or share <= BUSY else
-                      f"other processes took {share:.0%} of the CPU during the timed rounds: "
-                      "the timings are unreliable (rerun `dvc repro -f -s smoke` on a quiet "
-                      "machine)"}
-    out["smoke_metrics_sha256"] = metrics_sha256
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # the stage
 
@@ -888,7 +607,7 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
                          metrics)
     out = outputs or Outputs(Path(plots_path))
     runtime.write_json(out.plots, plot_rows(results))
-    timing = timing_of(s, inp, m, stage_seconds=time.perf_counter() - t_stage,
+    timing = timing_of(s, inp, m, swept=SWEPT, stage_seconds=time.perf_counter() - t_stage,
                        metrics_sha256=hashlib.sha256(
                            runtime.dumps(metrics).encode()).hexdigest())
     if sweep and out.k_acceptance:

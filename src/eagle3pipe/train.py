@@ -327,16 +327,31 @@ def evaluate(s: TrainState) -> dict[str, float]:
 
 def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
         progress: bool) -> dict[str, Any]:
-    """speculators' Trainer.run_training: eval at step 0, the epochs of step()s with an eval
-    every p.eval_every steps and at the last, then rank 0 writes out_dir (atomic) and dvclive
-    closes metrics_dir. Returns the last evaluated point {epoch, step, train_loss, eval}."""
-    from tqdm import tqdm
-
+    """speculators' Trainer.run_training: run_epochs() with rank 0's dvclive writing
+    metrics_dir, then rank 0 writes out_dir; both atomic. Returns run_epochs()'s last
+    evaluated point."""
     log.info("train: %d samples, %d steps (%d epochs x %d packs of <= %d tokens), %d eval "
              "packs, device %s x %d, attention %s, loss %s (%s)", len(s.train.lengths),
              s.limit, s.p.epochs, len(s.per_epoch[0]), s.p.batch_tokens, len(s.eval_packs),
              s.d.device.type, s.d.world, s.backend.attn_impl, s.p.loss, s.backend.loss_impl)
-    metrics = Metrics(metrics_dir if s.d.main else None)
+    # rank 0's dvclive writes into a temporary beside metrics_dir, published whole before the
+    # checkpoint: a killed run leaves no partial metrics/train/ (runtime.atomic_dir)
+    with atomic_dir(metrics_dir) if s.d.main else nullcontext(None) as live_dir:
+        metrics = Metrics(live_dir)
+        last = run_epochs(s, metrics, progress=progress)
+        metrics.end()
+    if s.d.main:
+        save_checkpoint(s.core, s.arch, out_dir)
+    teardown(s.d)
+    return last
+
+
+def run_epochs(s: TrainState, metrics: "Metrics", *, progress: bool) -> dict[str, Any]:
+    """The body of speculators' Trainer.run_training: eval at step 0, the epochs of step()s
+    with an eval every p.eval_every steps and at the last, each logged to `metrics`. Returns
+    the last evaluated point {epoch, step, train_loss, eval}."""
+    from tqdm import tqdm
+
     ev = evaluate(s)
     log.info("step 0: eval loss %.4f", ev["loss"])
     metrics.eval(0, ev)
@@ -361,10 +376,6 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
                     last = {"epoch": epoch, "step": s.step, "train_loss": loss, "eval": ev}
     finally:
         bar.close()
-    metrics.end()
-    if s.d.main:
-        save_checkpoint(s.core, s.arch, out_dir)
-    teardown(s.d)
     return last
 
 

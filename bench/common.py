@@ -95,38 +95,11 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "loadavg_at_start": load}
 
 
-class CpuMeter:
-    """CPU time the rest of the machine used while we ran: all busy CPU time (/proc/stat) minus
-    this process's and its waited-for children's own (getrusage). As a share of wall x cores,
-    it says how much the figures were disturbed by other work."""
+def cpu_meter():
+    """eagle3pipe.speed.CpuMeter counting this process and its waited-for children, running."""
+    from eagle3pipe.speed import CpuMeter
 
-    def __init__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
-
-    @staticmethod
-    def _busy() -> float | None:
-        try:
-            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
-        return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own() -> float:
-        import resource
-
-        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-            resource.RUSAGE_CHILDREN)
-        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-
-    def other_share(self) -> float | None:
-        busy = self._busy()
-        if busy is None or self.busy0 is None:
-            return None
-        wall = time.perf_counter() - self.t0
-        other = (busy - self.busy0) - (self._own() - self.own0)
-        return max(0.0, other) / max(1e-9, wall * (os.cpu_count() or 1))
+    return CpuMeter(children=True).resume()
 
 
 def now_iso() -> str:

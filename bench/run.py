@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (ROOT, THREADS, CpuMeter, load_json, log, machine, now_iso,  # noqa: E402
+from common import (ROOT, THREADS, cpu_meter, load_json, log, machine, now_iso,  # noqa: E402
                     random_verifier, rnd, set_threads, synthetic_samples)
 
 SECTIONS = ("extract", "train", "dvc", "e2e", "scaling")
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="eagle3pipe-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    meter = CpuMeter()
+    meter = cpu_meter()
     res: dict = {"quick": args.quick, "date": now_iso(), **machine(), "threads": THREADS,
                  "command": " ".join(["python", "bench/run.py",
                                      *(argv if argv is not None else sys.argv[1:])])}

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, CpuMeter, interleave, log, machine, now_iso, rnd  # noqa: E402
+from common import ROOT, cpu_meter, interleave, log, machine, now_iso, rnd  # noqa: E402
 
 # (hidden, layers) of the verifiers; the first is the embedded default's size
 GRID = ((256, 4), (256, 16), (512, 8), (512, 24), (1024, 16), (1024, 32))
@@ -372,7 +372,7 @@ def run(grid, *, smoke: dict, draft_params, vocab: int, batches: list[int], cont
     set_threads(threads)
     rates, source = acceptance(smoke)
     ks = list(range(1, min(map(len, rates.values())) + 1))
-    meter, t0 = CpuMeter(), time.perf_counter()
+    meter, t0 = cpu_meter(), time.perf_counter()
     rows = []
     for hidden, layers in grid:
         log(f"speedup: verifier hidden {hidden}, {layers} layers, batch {batches}")

@@ -33,12 +33,14 @@ class Pass:
 
 class CpuMeter:
     """How much CPU time other processes took while it ran (resumed .. paused, possibly several
-    times): all busy CPU time (/proc/stat) minus this process's own (getrusage), as a share of
-    wall time x cores. Two threads on few cores: any other work stalls them, and the timings
-    say little above ~15%."""
+    times): all busy CPU time (/proc/stat) minus this process's own (getrusage; with `children`,
+    also its waited-for children's), as a share of wall time x cores. Two threads on few cores:
+    any other work stalls them, and the timings say little above ~15% (BUSY). bench/ uses it
+    too."""
 
-    def __init__(self):
+    def __init__(self, *, children: bool = False):
         self.wall = self.other = 0.0
+        self.children = children
         self._at: tuple[float, float, float] | None = None
         self.available = self._busy() is not None
 
@@ -52,16 +54,16 @@ class CpuMeter:
         idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
         return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
-    @staticmethod
-    def _own() -> float:
+    def _own(self) -> float:
         import resource
 
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
+        who = [resource.RUSAGE_SELF] + ([resource.RUSAGE_CHILDREN] if self.children else [])
+        return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
-    def resume(self) -> None:
+    def resume(self) -> "CpuMeter":
         if self.available:
             self._at = (time.perf_counter(), self._busy() or 0.0, self._own())
+        return self
 
     def pause(self) -> None:
         if self._at is None:
@@ -72,6 +74,10 @@ class CpuMeter:
         self._at = None
 
     def other_share(self) -> float | None:
+        """Other processes' share so far (a running meter keeps running)."""
+        if self._at is not None:
+            self.pause()
+            self.resume()
         if not self.available or self.wall <= 0:
             return None
         return round(self.other / (self.wall * (os.cpu_count() or 1)), 3)

@@ -521,3 +521,7 @@ def test_per_domain_prompts_from_a_jsonl(micro_verifier_copy, tmp_path):
         assert set(row) == {"non-speculative", "vllm", "speculators", "ngram"}
         assert all(row[n]["speedup"]["median"] > 0 for n in row if n != "non-speculative")
     assert "k_sweep" not in m and "best_k" not in timing  # k_sweep: []
+    # the per-k plots (a DVC output) hold the serving k alone
+    rows = json.loads((tmp_path / "plots" / smoke.K_ACCEPTANCE_NAME).read_text())
+    assert rows == [{"k": K, "ngram": m["ngram"]["mean_acceptance_length"],
+                     "vllm": m["formats"]["vllm"]["mean_acceptance_length"]}], rows

@@ -23,7 +23,7 @@ END = "<|end|>"
 
 def cfg(**kw):
     base = dict(source=None, num_samples=5, max_prompt_tokens=40, max_new_tokens=12,
-                max_seq_len=96, eval_fraction=0.2, on_bad_input="skip", seed=0)
+                max_seq_len=96, batch_size=2, eval_fraction=0.2, on_bad_input="skip", seed=0)
     base.update(kw)
     return types.SimpleNamespace(**base)
 

@@ -91,7 +91,8 @@ def test_hidden_state_store_larger_than_free_disk(monkeypatch, tmp_path):
     assert plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path).problems == []
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 ** 9, 0, 1000))
     found = plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path / "a").problems
-    store = 288 * (128 + 128) * (2048 + 8 + 16)  # hidden states + token ids + Arrow rows
+    d = params.dataset  # hidden states (3 aux + final) x 256 x bf16, + token ids + Arrow rows
+    store = d.num_samples * (d.max_prompt_tokens + d.max_new_tokens) * (2048 + 8 + 16)
     assert len(found) == 1 and f"dataset.num_samples: needs {plan.human(store)}" in found[0]
     assert f"{tmp_path} has 1.0 kB free" in found[0] and "fix:" in found[0]
     assert plan.disk_problem(999, tmp_path, "k") is None
@@ -143,7 +144,7 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["hidden_bytes_per_token"] == 57344 and doc["problems"]
     bad = tmp_path / "params.yaml"
-    bad.write_text(DEFAULT.read_text().replace("num_samples: 288", "num_samples: many"))
+    bad.write_text(DEFAULT.read_text().replace("num_samples: 1296", "num_samples: many"))
     assert cli.main(["plan", "--params", str(bad)]) == 2
     assert "dataset.num_samples: expected an integer" in capsys.readouterr().err
 

@@ -96,8 +96,8 @@ def machine() -> dict:
 
 
 def cpu_meter():
-    """eagle3pipe.speed.CpuMeter counting this process and its waited-for children, running."""
-    from eagle3pipe.speed import CpuMeter
+    """eagle3pipe.engines.speed.CpuMeter counting this process and its waited-for children, running."""
+    from eagle3pipe.engines.speed import CpuMeter
 
     return CpuMeter(children=True).resume()
 
@@ -143,12 +143,12 @@ def random_verifier(out: Path, *, hidden: int, vocab: int, layers: int = 4,
 
 
 def synthetic_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
-    """n dataset samples (eagle3pipe.samples.Sample) with seeded random token ids (ids 0..3 are
+    """n dataset samples (eagle3pipe.data.samples.Sample) with seeded random token ids (ids 0..3 are
     the embedded tokenizer's specials: left out), lengths uniform in [min_len, max_len] and the
     first 40% of each sample unsupervised (the prompt), the rest supervised."""
     import torch
 
-    from eagle3pipe.samples import Sample
+    from eagle3pipe.data.samples import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []

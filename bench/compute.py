@@ -21,8 +21,8 @@ from common import (interleave, log, random_verifier, rnd, speed_ratio, speed_ra
 
 
 def _batches(samples, batch_size: int, pad_id: int):
-    """The padded batches the transformers extractor runs (eagle3pipe.capture.padded_batches)."""
-    from eagle3pipe.capture import padded_batches
+    """The padded batches the transformers extractor runs (eagle3pipe.engines.capture.padded_batches)."""
+    from eagle3pipe.engines.capture import padded_batches
 
     return [(ids, mask) for _, _, ids, mask in padded_batches(samples, batch_size, pad_id)]
 
@@ -30,7 +30,7 @@ def _batches(samples, batch_size: int, pad_id: int):
 def tf_states(model, samples, aux_ids, batch_size: int, pad_id: int = 0):
     """(index, hidden states) of every sample from the transformers extractor (the stage's
     oracle; the stage itself captures with vLLM), for extract.write_split."""
-    from eagle3pipe.capture import padded_batches, tf_capture
+    from eagle3pipe.engines.capture import padded_batches, tf_capture
 
     for batch, lens, ids, mask in padded_batches(samples, batch_size, pad_id):
         states = tf_capture(model, ids, mask, aux_ids)
@@ -42,8 +42,8 @@ def write_split(model, samples, aux_ids, out: Path, dtype, batch_size: int, pad_
     """The stage's writer (extract.write_split) fed by the transformers extractor."""
     from safetensors.torch import save_file
 
-    from eagle3pipe import extract as X
-    from eagle3pipe import store
+    from eagle3pipe.stages import extract as X
+    from eagle3pipe.data import store
 
     st, entries = store.Store("hidden", out.parent / f".{out.name}-store"), {}
     for i, h in tf_states(model, samples, aux_ids, batch_size, pad_id):
@@ -61,14 +61,14 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
       forward  bare decoder forward, `model.model(input_ids, attention_mask)`, no hooks: the
                floor (the least any extractor must compute; the lm_head is not needed)
       forward_lm_head  the plain `model(...)` CausalLM forward (decoder + lm_head), for context
-      capture  eagle3pipe.capture.tf_capture on the same batches (hooks + stacking the slots)
-      split    eagle3pipe.extract.write_split fed by that capture: batching, casting, one
+      capture  eagle3pipe.engines.capture.tf_capture on the same batches (hooks + stacking the slots)
+      split    eagle3pipe.stages.extract.write_split fed by that capture: batching, casting, one
                safetensors file per sample and the datasets table (what the stage writes)
       stage    split + validate_split (the stage reads every file back before publishing)"""
-    from eagle3pipe import extract as X
+    from eagle3pipe.stages import extract as X
 
     torch_dtype = X.DTYPES[dtype]
-    from eagle3pipe.capture import tf_capture, tf_decoder
+    from eagle3pipe.engines.capture import tf_capture, tf_decoder
 
     base, _, _ = tf_decoder(model)
     cfg = model.config
@@ -134,7 +134,7 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
 
 def write_datapath(model, samples, aux_ids, out: Path, dtype: str = "bfloat16") -> Path:
     """A real speculators datapath (what the extract stage writes) for the training bench."""
-    from eagle3pipe import extract as X
+    from eagle3pipe.stages import extract as X
 
     shutil.rmtree(out, ignore_errors=True)
     write_split(model, samples, aux_ids, out, X.DTYPES[dtype], 8)
@@ -151,11 +151,11 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
     derived from draft_params, the vocab mapping from the samples' loss-masked tokens, and one
     train.build_state per name (the same seeded init each, in train mode as fit() runs step()),
     over one epoch of the stage's seeded packing with a 2-step warm-up."""
-    from eagle3pipe import arch as archmod
-    from eagle3pipe import distributed
-    from eagle3pipe import train as T
-    from eagle3pipe import vocab as V
-    from eagle3pipe.verifier import VerifierInfo
+    from eagle3pipe.draft import arch as archmod
+    from eagle3pipe.runtime import distributed
+    from eagle3pipe.stages import train as T
+    from eagle3pipe.stages import vocab as V
+    from eagle3pipe.verifier.handle import VerifierInfo
 
     info = VerifierInfo.from_config(verifier_dir)
     arch = dataclasses.replace(archmod.derive(draft_params, info), dtype="float32")
@@ -177,7 +177,7 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
 
 def train_variants(states: dict, data, packs: list[list[int]]) -> dict:
     """{name: a function running every pack once} for the states' names (see bench_train)."""
-    from eagle3pipe import train as T
+    from eagle3pipe.stages import train as T
 
     def bare_forward_backward(st, chunk, weight):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -220,7 +220,7 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
                 ) -> dict:
     """tokens/s of the train stage's step vs a bare speculators step on the same packed batches
     (the same samples, read through the same ArrowDataset + CollateFn):
-      loop              eagle3pipe.train.step itself, on a TrainState from train.build_state:
+      loop              eagle3pipe.stages.train.step itself, on a TrainState from train.build_state:
                         Batches.micro (collate into <= 512-token micro-batches on CPU),
                         run_batch (bf16 autocast forward, token-weighted backward, accuracy
                         counts), clip_grad_norm_, AdamW step, LR schedule, with
@@ -271,8 +271,8 @@ def bench_scaling(work: Path, draft_params, *, hiddens, seq_lens, vocab: int, to
     """Extraction and draft-training throughput of random-init verifiers of the embedded family
     at each (hidden size, sequence length): samples of length in [3/4 L, L], `tokens` tokens per
     extraction point, `n_packs` packs of `batch_tokens` per training point."""
-    from eagle3pipe.capture import tf_load
-    from eagle3pipe.verifier import Verifier
+    from eagle3pipe.engines.capture import tf_load
+    from eagle3pipe.verifier.handle import Verifier
 
     rows = []
     for H in hiddens:

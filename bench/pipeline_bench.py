@@ -74,7 +74,7 @@ def stage_breakdown(lines: list[tuple[float, str]], wall: float, stages) -> dict
 
 def timed_repro(repo: Path, *args: str) -> dict:
     """One `dvc repro` (the real command), broken down by stage; `ran` lists the stages whose
-    commands really executed (EAGLE3PIPE_RUN_LOG, written by eagle3pipe.stage)."""
+    commands really executed (EAGLE3PIPE_RUN_LOG, written by eagle3pipe.stages.runner)."""
     runlog = repo / ".runlog"
     runlog.unlink(missing_ok=True)
     wall, lines = timed(repo, "dvc", "repro", *args)
@@ -83,7 +83,7 @@ def timed_repro(repo: Path, *args: str) -> dict:
     res["ran"] = [s for s, v in res["stages"].items() if v["status"] == "ran"]
     # cross-check with the run log: every stage that reads params logs itself when it runs
     # (a stage without params may not)
-    from eagle3pipe import graph
+    from eagle3pipe.tools import invalidation as graph
 
     with_params = {s for s, body in graph.load_stages(repo / "dvc.yaml").items()
                    if body.get("params")}
@@ -152,8 +152,8 @@ def noop_vs_status(repo: Path, repeats: int) -> dict:
 
 def rebuild(repo: Path, key: str, value) -> dict:
     """Sets params key to value and times the `dvc repro` that follows, per stage; `expected`
-    is eagle3pipe.graph's invalidation row for the key (what the README's table promises)."""
-    from eagle3pipe import graph
+    is eagle3pipe.tools.invalidation's invalidation row for the key (what the README's table promises)."""
+    from eagle3pipe.tools import invalidation as graph
 
     expected = sorted(graph.invalidation_table(repo / "dvc.yaml", repo / "params.yaml",
                                                repo / "configs/verifier_config.json")[key])

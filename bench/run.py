@@ -57,15 +57,16 @@ def headline_verifier(quick: bool, work: Path):
     """(model dir, samples, description). Full: the repo's default verifier and its train split
     when `dvc repro` has produced them (else a random-init verifier of the default's sizes and
     synthetic samples). Quick: the micro embedded verifier, built here, synthetic samples."""
-    from eagle3pipe import embedded, params
-    from eagle3pipe.samples import read as read_split
-    from eagle3pipe.verifier import VerifierInfo
+    from eagle3pipe.verifier import embedded
+    from eagle3pipe.config import params
+    from eagle3pipe.data.samples import read as read_split
+    from eagle3pipe.verifier.handle import VerifierInfo
 
     mode = MODES["quick" if quick else "full"]
     if not quick:
         vdir = None
         try:
-            from eagle3pipe.verifier import model_dir
+            from eagle3pipe.verifier.handle import model_dir
             vdir = Path(model_dir(ROOT / "artifacts/verifier"))
         except Exception as e:  # noqa: BLE001 - absent or stale artifacts: fall back below
             log(f"artifacts/verifier unusable ({e})")
@@ -87,7 +88,7 @@ def headline_verifier(quick: bool, work: Path):
                                        e.tokenizer_vocab_size), "random-init default sizes"
     vdir = work / "verifier"
     if not (vdir / "model.safetensors").is_file():
-        log("building the micro embedded verifier (eagle3pipe.embedded.build, ~10 s)")
+        log("building the micro embedded verifier (eagle3pipe.verifier.embedded.build, ~10 s)")
         embedded.build(params.load(MICRO_PARAMS).verifier.embedded, vdir, progress=False)
     info = VerifierInfo.from_config(vdir)
     return vdir, synthetic_samples(mode["n_samples"], *mode["len_range"], info.vocab_size), \
@@ -100,9 +101,9 @@ def headline_verifier(quick: bool, work: Path):
 
 def run_extract_train(which: set[str], quick: bool, work: Path, out: dict) -> None:
     import compute
-    from eagle3pipe import params
-    from eagle3pipe.capture import tf_load
-    from eagle3pipe.verifier import Verifier
+    from eagle3pipe.config import params
+    from eagle3pipe.engines.capture import tf_load
+    from eagle3pipe.verifier.handle import Verifier
 
     mode = MODES["quick" if quick else "full"]
     p = params.load(MICRO_PARAMS if quick else DEFAULT_PARAMS)
@@ -175,7 +176,7 @@ def run_e2e(quick: bool, work: Path, out: dict, cache: dict, rebuild: bool) -> N
 
 def run_scaling(quick: bool, work: Path, out: dict) -> None:
     import compute
-    from eagle3pipe import params
+    from eagle3pipe.config import params
 
     s = MODES["quick" if quick else "full"]["scaling"]
     draft = params.load(MICRO_PARAMS if quick else DEFAULT_PARAMS).draft
@@ -384,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         log(f"not measured (run those sections): {missing}")
 
-    from eagle3pipe.runtime import dumps, write_text_atomic
+    from eagle3pipe.runtime.jsonio import dumps
+    from eagle3pipe.runtime.atomic import write_text_atomic
 
     write_text_atomic(args.out, dumps(res))
     if "scaling" in res and "scaling" in which:

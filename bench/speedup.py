@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
 
-    from eagle3pipe import params as P
+    from eagle3pipe.config import params as P
 
     p = P.load(ROOT / "params.yaml")
     smoke = json.loads(args.smoke.read_text())
@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(res: dict, out: Path) -> None:
-    from eagle3pipe.runtime import dumps, write_text_atomic
+    from eagle3pipe.runtime.jsonio import dumps
+    from eagle3pipe.runtime.atomic import write_text_atomic
 
     write_text_atomic(out / "speedup.json", dumps(res))
     write_text_atomic(out / "speedup.tsv", tsv(res["rows"]))

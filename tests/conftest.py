@@ -20,10 +20,10 @@ MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layer
 
 @pytest.fixture(autouse=True)
 def private_store(tmp_path_factory, monkeypatch):
-    """Each test's in-process stages keep their per-sample store (eagle3pipe.store) in a
+    """Each test's in-process stages keep their per-sample store (eagle3pipe.data.store) in a
     directory of its own, never the project's; pipeline.env() drops the variable, so that each
-    temporary DVC repo uses its own `.eagle3pipe/store`."""
-    from eagle3pipe import store
+    temporary DVC repo uses its own `.eagle3pipe/data/store`."""
+    from eagle3pipe.data import store
 
     monkeypatch.setenv(store.STORE_ENV, str(tmp_path_factory.mktemp("store")))
 
@@ -31,7 +31,7 @@ def private_store(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def micro_verifier(tmp_path_factory) -> Path:
     """A real HF checkpoint dir (config.json, model.safetensors, tokenizer with chat template)."""
-    from eagle3pipe import embedded
+    from eagle3pipe.verifier import embedded
 
     out = tmp_path_factory.mktemp("micro") / "verifier"
     embedded.build(types.SimpleNamespace(**MICRO_EMBEDDED), out, progress=False)
@@ -48,7 +48,7 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
 
 def engine_settings(**override) -> dict:
     """The micro pipeline's vLLM engine settings (tests/micro/params.yaml `vllm:`)."""
-    from eagle3pipe import engine
-    from eagle3pipe import params as P
+    from eagle3pipe.engines import engine
+    from eagle3pipe.config import params as P
 
     return {**engine.settings_of(P.load(ROOT / "tests/micro/params.yaml").vllm), **override}

@@ -16,12 +16,12 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3pipe import arch as A
-from eagle3pipe import formats
-from eagle3pipe.export import TORCH_DTYPE
-from eagle3pipe.params import DraftParams
-from eagle3pipe.runtime import dumps
-from eagle3pipe.verifier import VerifierInfo
+from eagle3pipe.draft import arch as A
+from eagle3pipe.draft import formats
+from eagle3pipe.stages.export import TORCH_DTYPE
+from eagle3pipe.config.params import DraftParams
+from eagle3pipe.runtime.jsonio import dumps
+from eagle3pipe.verifier.handle import VerifierInfo
 
 # Micro draft for the micro verifier of conftest.py (hidden 64, 4 layers, vocab 512).
 MICRO_DRAFT = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32,

@@ -27,7 +27,7 @@ def project_files(root: Path = ROOT) -> list[str]:
 
 def env(repo: Path) -> dict:
     e = dict(os.environ)
-    e.pop("EAGLE3PIPE_STORE", None)  # each repo: its own .eagle3pipe/store (a cold store)
+    e.pop("EAGLE3PIPE_STORE", None)  # each repo: its own .eagle3pipe/data/store (a cold store)
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e["EAGLE3PIPE_RUN_LOG"] = str(repo / ".runlog")
     e["EAGLE3PIPE_PARAMS_TRACE"] = str(repo / ".params_reads")  # every params key a stage reads

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import compute  # noqa: E402
 import run as bench_run  # noqa: E402
 
-from eagle3pipe import params  # noqa: E402
+from eagle3pipe.config import params  # noqa: E402
 
 
 def test_committed_results_carry_the_comparable_fields():

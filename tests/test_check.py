@@ -12,15 +12,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3pipe import arch as A
-from eagle3pipe import check as C
-from eagle3pipe import scan as S
-from eagle3pipe import cli
-from eagle3pipe import formats as R
-from eagle3pipe import params as P
-from eagle3pipe.checkpoint import check_checkpoint
-from eagle3pipe.export import TORCH_DTYPE
-from eagle3pipe.verifier import VerifierInfo
+from eagle3pipe.draft import arch as A
+from eagle3pipe.tools import check as C
+from eagle3pipe.tools import scan as S
+from eagle3pipe.tools import cli
+from eagle3pipe.draft import formats as R
+from eagle3pipe.config import params as P
+from eagle3pipe.draft.checkpoint import check_checkpoint
+from eagle3pipe.stages.export import TORCH_DTYPE
+from eagle3pipe.verifier.handle import VerifierInfo
 
 from conftest import ROOT
 
@@ -319,7 +319,7 @@ def _set(index, value):
 def test_non_finite_in_a_second_file_names_that_file(tmp_path, monkeypatch):
     """A sharded checkpoint: the NaN's file is named; tensors are read in slices (a slice size
     of one row here) so the last row's NaN is found."""
-    from eagle3pipe import checkpoint as CK
+    from eagle3pipe.draft import checkpoint as CK
     monkeypatch.setattr(CK, "CHUNK_BYTES", 1)
     a = params_arch()
     ck = write_checkpoint(tmp_path / "ck", a, "vllm")
@@ -816,7 +816,7 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
     repo = git_repo(tmp_path / "repo", {"serve.sh": (
         "vllm serve m --speculative-config '{\"method\":\"eagle3\",\"num_speculative_tokens\":5}'"
         "\nvllm serve m --head-dim 96\n")})
-    r = subprocess.run([sys.executable, "-m", "eagle3pipe.cli", "check", "--params",
+    r = subprocess.run([sys.executable, "-m", "eagle3pipe.tools.cli", "check", "--params",
                         str(ROOT / "params.yaml"), "--verifier-config", str(VCFG),
                         "--no-configs", "--root", str(repo)], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3pipe import dataset
-from eagle3pipe.dataset import REASONS, BadInputError, DatasetError
+from eagle3pipe.stages import dataset
+from eagle3pipe.stages.dataset import REASONS, BadInputError, DatasetError
 
 from conftest import engine_settings
 
@@ -30,7 +30,7 @@ def cfg(**kw):
 
 @pytest.fixture(scope="module")
 def tokenizer(micro_verifier):
-    from eagle3pipe.verifier import Verifier
+    from eagle3pipe.verifier.handle import Verifier
 
     return Verifier(micro_verifier).tokenizer()
 
@@ -78,7 +78,7 @@ def test_stdlib_prompts_masks_cover_exactly_the_reply(stdlib_run, tokenizer):
         assert sum(s["loss_mask"]) <= 12 + 1  # max_new_tokens + a closing token
         assert s["messages"][0]["role"] == "user" and s["messages"][0]["content"]
     # prompts come from the corpus' "prompt" part (disjoint from verifier training/smoke)
-    from eagle3pipe import corpus
+    from eagle3pipe.verifier import corpus
     snippets = corpus.snippets("prompt", 5, seed=0)
     for s in samples:
         i = int(s["id"].split("-")[1])
@@ -209,7 +209,7 @@ def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Malformed JSONL through the stages' own runner (eagle3pipe.stage.main, in this process): each
+# Malformed JSONL through the stages' own runner (eagle3pipe.stages.runner.main, in this process): each
 # names file:line, the reason and the fix, exits 2 with no traceback, and writes nothing
 
 
@@ -284,9 +284,9 @@ GOOD_LINE = json.dumps(GOOD).encode()
 
 
 def run_stage(name, run, paths: dict, capsys, tmp_path, **params) -> tuple[int, str]:
-    """The stage `name` through eagle3pipe.stage.main on the micro params (edited by
+    """The stage `name` through eagle3pipe.stages.runner.main on the micro params (edited by
     `params`); (exit code, stderr)."""
-    from eagle3pipe import stage
+    from eagle3pipe.stages import runner as stage
 
     f = tmp_path / "params.yaml"
     f.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(), **params))
@@ -431,7 +431,7 @@ MALFORMED_SAMPLES = [
 
 @pytest.mark.parametrize("case", MALFORMED_SAMPLES, ids=[c[0] for c in MALFORMED_SAMPLES])
 def test_malformed_sample_file_refused_by_the_vocab_stage(tmp_path, capsys, case):
-    from eagle3pipe import vocab
+    from eagle3pipe.stages import vocab
 
     _, line, detail = case
     f = tmp_path / "train.jsonl"
@@ -523,7 +523,7 @@ def test_dataset_and_vocab_stage_scripts(micro_verifier, tmp_path):
                         "--out", "artifacts/vocab", "--no-progress"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    from eagle3pipe import vocab
+    from eagle3pipe.stages import vocab
     d2t, t2d = vocab.load(tmp_path / "artifacts/vocab")
     assert d2t.shape == (64,) and t2d.shape == (512,) and int(t2d.sum()) == 64
     stats = json.loads((tmp_path / "artifacts/vocab/stats.json").read_text())

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3pipe import arch as archmod
-from eagle3pipe import export as exportmod
-from eagle3pipe import formats
-from eagle3pipe import train as trainmod
-from eagle3pipe.checkpoint import check_checkpoint
-from eagle3pipe.verifier import read_config
+from eagle3pipe.draft import arch as archmod
+from eagle3pipe.stages import export as exportmod
+from eagle3pipe.draft import formats
+from eagle3pipe.stages import train as trainmod
+from eagle3pipe.draft.checkpoint import check_checkpoint
+from eagle3pipe.verifier.handle import read_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import MICRO_TRAIN, draft_arch, make_inputs, write_draft_config  # noqa: E402
@@ -158,7 +158,7 @@ def test_a_missing_field_is_refused_not_defaulted(exported, tmp_path):
     file and the key, in the trained checkpoint's config and in configs/ alike."""
     import shutil
 
-    from eagle3pipe.formats import ConfigError
+    from eagle3pipe.draft.formats import ConfigError
 
     ckpt = tmp_path / "train"
     shutil.copytree(exported.root / "train", ckpt)

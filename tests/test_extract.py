@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3pipe import extract
+from eagle3pipe.stages import extract
 import types
 
-from eagle3pipe import capture, samples
-from eagle3pipe.verifier import Verifier
-from eagle3pipe.extract import ExtractError
-from eagle3pipe.samples import SamplesError
+from eagle3pipe.engines import capture
+from eagle3pipe.data import samples
+from eagle3pipe.verifier.handle import Verifier
+from eagle3pipe.stages.extract import ExtractError
+from eagle3pipe.data.samples import SamplesError
 
 from conftest import engine_settings
 
@@ -352,13 +353,13 @@ def test_oracle_names_the_slot_and_layer_beyond_tolerance(micro_verifier, tmp_pa
 
 
 def test_a_samples_states_do_not_depend_on_its_batch(micro_verifier, tmp_path):
-    """What the store's reuse relies on (eagle3pipe.store): vLLM computes a sample's hidden
+    """What the store's reuse relies on (eagle3pipe.data.store): vLLM computes a sample's hidden
     states bit for bit the same whether it is batched with others, alone, or with different
     companions, so samples computed in an interrupted or smaller run can be reused."""
     import random
 
     from conftest import engine_settings
-    from eagle3pipe import engine
+    from eagle3pipe.engines import engine
 
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 500) for _ in range(rng.randrange(8, 60))] for _ in range(6)]

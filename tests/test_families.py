@@ -136,8 +136,8 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     import torch
     from speculators.train.data import ArrowDataset
 
-    from eagle3pipe import capture
-    from eagle3pipe.verifier import Verifier
+    from eagle3pipe.engines import capture
+    from eagle3pipe.verifier.handle import Verifier
 
     repo, _, log = runs[family]
     assert metrics(repo, "extract.json")["oracle"]["samples"] == 0, log[-4000:]

@@ -79,9 +79,9 @@ FAULT_PARAMS = {"vllm.cpu_omp_threads_bind": "nobind", "verifier.embedded.thread
                 "extract.threads": 1, "train.threads": 1, "smoke.threads": 1,
                 "verifier.embedded.train_steps": 10, "smoke.num_prompts": 1, "smoke.max_tokens": 8,
                 "smoke.k_sweep": [3], "smoke.timing_rounds": 1}
-PLAN_FITS = "EAGLE3PIPE_FREE_BYTES"  # eagle3pipe.plan's stand-in for the measured free disk
+PLAN_FITS = "EAGLE3PIPE_FREE_BYTES"  # eagle3pipe.tools.plan's stand-in for the measured free disk
 PROBE = "smoke"  # a second `dvc repro` starts while this stage's last run is inside its command
-# what a copy of a repo leaves out: the per-sample store of the data stages (eagle3pipe.store),
+# what a copy of a repo leaves out: the per-sample store of the data stages (eagle3pipe.data.store),
 # so that every copy starts with a cold one, as a fresh clone does
 NOT_COPIED = shutil.ignore_patterns(".eagle3pipe")
 
@@ -236,7 +236,7 @@ def full_disk_extract(repo: Path) -> dict:
     """A copy of the reference after extract, on a tmpfs (in a mount namespace) with room for
     all of it but extract's output and a third of that: `dvc repro -f -s extract` fails; then,
     with room again, the same command succeeds. The stage runner's check of the free disk
-    before any compute (eagle3pipe.plan) is told there is room, so that the disk fills while the
+    before any compute (eagle3pipe.tools.plan) is told there is room, so that the disk fills while the
     stage writes, as when something else takes the space during the run."""
     room = digest_size(repo / "artifacts/hidden") // 3
     small, out = repo.parent / f"{repo.name}.small", repo.parent / f"{repo.name}.out"
@@ -400,7 +400,7 @@ def test_a_full_disk_during_extract_names_the_path_and_publishes_nothing(faults)
 HOLDING_WRITER = """
 import sys
 from pathlib import Path
-from eagle3pipe import runtime
+from eagle3pipe.runtime import atomic as runtime, jsonio
 out = Path(sys.argv[1])
 with runtime.atomic_dir(out / "d") as t:
     (t / "f").write_text("new")
@@ -417,7 +417,7 @@ def _python(code: str, *args: str, env_extra: dict | None = None, **kw) -> subpr
 @pytest.mark.parametrize("target", ["d", "f.json"])
 def test_a_killed_writer_publishes_nothing_and_the_next_writer_removes_its_leftovers(
         tmp_path, target):
-    from eagle3pipe import runtime
+    from eagle3pipe.runtime import atomic as runtime, jsonio
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d/f").write_text("old")
@@ -461,7 +461,7 @@ time.sleep(120)
 """
 CHILD = """
 import os, sys, time
-from eagle3pipe import runtime
+from eagle3pipe.runtime import atomic as runtime, jsonio
 if sys.argv[1]:
     runtime.bind_to_launcher()
 open(os.environ["MARK"] + sys.argv[1], "w").close()
@@ -493,7 +493,7 @@ import os, sys, time
 rank = int(os.environ["LOCAL_RANK"])
 if rank == 1:
     time.sleep(3)  # still importing when torchrun is killed
-from eagle3pipe import runtime
+from eagle3pipe.runtime import atomic as runtime, jsonio
 runtime.bind_to_launcher()
 open(os.path.join(os.environ["MARK"], f"bound{rank}"), "w").close()
 time.sleep(120)
@@ -523,7 +523,8 @@ def test_torchrun_workers_die_with_torchrun_bound_or_still_importing(tmp_path):
 
 FULL_STAGE = """
 import sys
-from eagle3pipe import runtime, stage
+from eagle3pipe.runtime import atomic as runtime, jsonio
+from eagle3pipe.stages import runner as stage
 
 def run(params, p):
     mode = p.dataset.name
@@ -531,7 +532,7 @@ def run(params, p):
         with runtime.atomic_dir(p.out) as t:
             (t / "big").write_bytes(b"0" * (1 << 20))
     elif mode == "json":  # the metrics / config writer
-        runtime.write_json(p.out, {"x": "0" * (1 << 20)})
+        jsonio.write_json(p.out, {"x": "0" * (1 << 20)})
     else:  # safetensors' Rust writer: SafetensorError, not an OSError
         import torch
         from safetensors.torch import save_file

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3pipe import fingerprint as fp
+from eagle3pipe.verifier import fingerprint as fp
 
 GiB = 1 << 30
 

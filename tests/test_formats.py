@@ -13,11 +13,11 @@ import pytest
 
 import drafts
 from conftest import ROOT
-from eagle3pipe import formats as F
-from eagle3pipe import params as P
-from eagle3pipe.arch import derive
+from eagle3pipe.draft import formats as F
+from eagle3pipe.config import params as P
+from eagle3pipe.draft.arch import derive
 from eagle3pipe.errors import Error
-from eagle3pipe.verifier import VerifierInfo
+from eagle3pipe.verifier.handle import VerifierInfo
 
 MICRO_VERIFIER = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
                   "num_hidden_layers": 4, "vocab_size": 512, "bos_token_id": 0,

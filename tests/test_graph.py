@@ -1,8 +1,9 @@
 """dvc.yaml is complete: every stage lists the code it runs, and the params it declares exist."""
 from __future__ import annotations
 
-from eagle3pipe import deps, graph
-from eagle3pipe import stage
+from eagle3pipe.tools import deps
+from eagle3pipe.tools import invalidation as graph
+from eagle3pipe.stages import runner as stage
 
 from conftest import ROOT
 
@@ -24,17 +25,17 @@ def test_deps_write_fixes_a_stale_dvc_yaml(tmp_path):
     for d in ("src", "stages"):
         shutil.copytree(ROOT / d, tmp_path / d)
     text = (ROOT / "dvc.yaml").read_text()
-    stale = text.replace("      - src/eagle3pipe/vocab.py\n", "      - src/eagle3pipe/embedded.py\n", 1)
+    stale = text.replace("      - src/eagle3pipe/stages/vocab.py\n", "      - src/eagle3pipe/verifier/embedded.py\n", 1)
     assert stale != text
     (tmp_path / "dvc.yaml").write_text(stale)
-    assert deps.sync(tmp_path / "dvc.yaml") == ["vocab: +src/eagle3pipe/vocab.py",
-                                                 "vocab: -src/eagle3pipe/embedded.py"]
+    assert deps.sync(tmp_path / "dvc.yaml") == ["vocab: +src/eagle3pipe/stages/vocab.py",
+                                                 "vocab: -src/eagle3pipe/verifier/embedded.py"]
     deps.sync(tmp_path / "dvc.yaml", write=True)
     assert (tmp_path / "dvc.yaml").read_text() == text
 
 
 def test_declared_params_are_schema_keys():
-    from eagle3pipe import params as P
+    from eagle3pipe.config import params as P
 
     leaves = P.leaf_keys()
     for name in graph.load_stages(ROOT / "dvc.yaml"):
@@ -65,8 +66,8 @@ def test_invalidation_table_rows():
 
 
 def test_docs_show_the_generated_table():
-    """docs/invalidation.md holds `python -m eagle3pipe.graph`'s output as it is now."""
+    """docs/invalidation.md holds `python -m eagle3pipe.tools.invalidation`'s output as it is now."""
     t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "params.yaml")
     table = graph.markdown(t, list(graph.load_stages(ROOT / "dvc.yaml")))
     assert table in (ROOT / "docs/invalidation.md").read_text(), \
-        "regenerate it: python -m eagle3pipe.graph"
+        "regenerate it: python -m eagle3pipe.tools.invalidation"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3pipe import cli
-from eagle3pipe import params as P
-from eagle3pipe import stage
+from eagle3pipe.tools import cli
+from eagle3pipe.config import params as P
+from eagle3pipe.stages import runner as stage
 
 from conftest import ROOT
 

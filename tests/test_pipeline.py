@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from eagle3pipe import graph
+from eagle3pipe.tools import invalidation as graph
 
 from pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, make_repo,
                       out_hashes, repro, set_param, sh, start_repro, stop_repro,
@@ -15,7 +15,7 @@ from pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, make
 
 pytestmark = pytest.mark.slow
 
-# representative keys, one per kind of row of eagle3pipe.graph's table (which the README
+# representative keys, one per kind of row of eagle3pipe.tools.invalidation's table (which the README
 # prints), and the value each is changed to; here real DVC must agree with the row. Keys with
 # the same row as one listed (draft.num_key_value_heads, draft.intermediate_size, ...: head_dim's)
 # take the same path through dvc.yaml; test_graph checks the table itself.
@@ -74,8 +74,8 @@ CONDITIONAL = {"dataset.on_bad_input", "verifier.hash_mode"}
 def test_no_stage_declares_a_key_it_never_reads(micro):
     """Every leaf key a stage declares in dvc.yaml was read by that stage in the cold run (the
     per-stage params view records every read), so no declared key reruns a stage for nothing."""
-    from eagle3pipe import params as P
-    from eagle3pipe.stage import declared_params
+    from eagle3pipe.config import params as P
+    from eagle3pipe.stages.runner import declared_params
 
     repo, _ = micro
     reads: dict[str, set[str]] = {}

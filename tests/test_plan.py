@@ -11,11 +11,11 @@ import struct
 
 import pytest
 
-from eagle3pipe import arch as A
-from eagle3pipe import cli
-from eagle3pipe import params as P
-from eagle3pipe import plan
-from eagle3pipe.verifier import VerifierInfo
+from eagle3pipe.draft import arch as A
+from eagle3pipe.tools import cli
+from eagle3pipe.config import params as P
+from eagle3pipe.tools import plan
+from eagle3pipe.verifier.handle import VerifierInfo
 
 from conftest import ROOT
 

@@ -4,7 +4,10 @@ import re
 
 import pytest
 
-from eagle3pipe import extract, formats, smoke, verifier
+from eagle3pipe.stages import extract
+from eagle3pipe.draft import formats
+from eagle3pipe.stages import smoke
+from eagle3pipe.verifier import handle as verifier
 from eagle3pipe.errors import Error
 
 # (reader, error class, file it reads relative to the directory it is given, fix it must name)

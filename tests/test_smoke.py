@@ -18,7 +18,9 @@ import pytest
 from ruamel.yaml import YAML
 
 import drafts
-from eagle3pipe import prompts, smoke, speed
+from eagle3pipe.data import prompts
+from eagle3pipe.stages import smoke
+from eagle3pipe.engines import speed
 from eagle3pipe.errors import EXIT_CODE
 
 from conftest import engine_settings
@@ -78,7 +80,7 @@ def test_mismatch_names_prompt_and_position():
 
 
 def test_draft_helper_writes_what_the_contract_check_accepts(micro_verifier, tmp_path):
-    from eagle3pipe import checkpoint as check
+    from eagle3pipe.draft import checkpoint as check
 
     arch = drafts.micro_arch(micro_verifier)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
@@ -126,7 +128,7 @@ def test_speed_and_speedup_are_medians_with_their_spread():
 
 
 def _tokenizer(verifier):
-    from eagle3pipe.verifier import Verifier
+    from eagle3pipe.verifier.handle import Verifier
 
     return Verifier(verifier).tokenizer()
 
@@ -234,7 +236,7 @@ def test_wall_clock_outputs_stay_out_of_dvc_lock():
 
 
 def _check(verifier, draft_dir):
-    from eagle3pipe import vllm_load
+    from eagle3pipe.engines import load_check as vllm_load
 
     return vllm_load.check_draft(engine_settings(), verifier, draft_dir,
                                  num_speculative_tokens=K)
@@ -243,7 +245,7 @@ def _check(verifier, draft_dir):
 @pytest.mark.parametrize("draft_vocab", [256, 96], ids=["vocab256", "vocab96-padded-by-vllm"])
 def test_engineless_both_formats_load(micro_verifier, tmp_path, draft_vocab):
     """96 rows: vLLM pads lm_head to 128 rows; the padding is neither loaded nor a problem."""
-    from eagle3pipe import arch as A
+    from eagle3pipe.draft import arch as A
 
     arch = drafts.micro_arch(micro_verifier, draft_vocab_size=draft_vocab)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
@@ -258,7 +260,7 @@ def test_engineless_both_formats_load(micro_verifier, tmp_path, draft_vocab):
 
 def test_engineless_catches_weights_built_for_another_head_dim(micro_verifier, tmp_path):
     """vLLM silently narrows head_dim-64 weights under a config saying 32."""
-    from eagle3pipe import checkpoint as check
+    from eagle3pipe.draft import checkpoint as check
 
     arch = drafts.micro_arch(micro_verifier)
     assert arch.head_dim == 32
@@ -342,7 +344,7 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
 ENGINE_PROBE = """
 import gc, json, os, sys
 import torch
-from eagle3pipe import engine
+from eagle3pipe.engines import engine
 from conftest import engine_settings
 
 torch.set_num_threads(3)

@@ -1,4 +1,4 @@
-"""The per-sample store (eagle3pipe.store) through real DVC: a SIGKILLed extract or dataset
+"""The per-sample store (eagle3pipe.data.store) through real DVC: a SIGKILLed extract or dataset
 resumes with only the unfinished samples and publishes the same bytes as an uninterrupted run;
 a grown prompt set computes only the new samples; new aux layer ids re-extract everything and
 regenerate nothing; `eagle3pipe gc` and the stages' own size bound keep what dvc.lock,
@@ -25,7 +25,7 @@ def counts(repo: Path, stage: str) -> dict:
 
 
 def entries(repo: Path, kind: str) -> list[Path]:
-    return sorted((repo / ".eagle3pipe/store" / kind).glob("??/*"))
+    return sorted((repo / ".eagle3pipe/data/store" / kind).glob("??/*"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def kill_after_some(repo: Path, stage: str, kind: str, out: str) -> int:
     process group once >= 2 samples are stored and before all are; returns how many were."""
     n = get_param(repo, "dataset.num_samples")
     for attempt in range(4):  # on a busy machine the run may finish before the kill lands
-        shutil.rmtree(repo / ".eagle3pipe/store" / kind, ignore_errors=True)
+        shutil.rmtree(repo / ".eagle3pipe/data/store" / kind, ignore_errors=True)
         tag = f"store-kill-{stage}-{attempt}"
         proc = start(repo, "dvc", "repro", "-f", "-s", stage, env_extra={FAULT_TAG: tag})
         try:
@@ -145,7 +145,7 @@ def test_gc_with_a_bound_below_the_referenced_entries_says_so(repo):
 
 
 def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
-    """The stage runner's plan check (eagle3pipe.plan.stage_report) before any compute; the
+    """The stage runner's plan check (eagle3pipe.tools.plan.stage_report) before any compute; the
     free-space figure is faked with $EAGLE3PIPE_FREE_BYTES."""
     before = digest(repo / "artifacts/dataset")
     r = subprocess.run(["dvc", "repro", "-f", "-s", "dataset"], cwd=repo, capture_output=True,

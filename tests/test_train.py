@@ -15,11 +15,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3pipe import arch as archmod
-from eagle3pipe import batches, distributed, formats, vocab
-from eagle3pipe import train as trainmod
-from eagle3pipe.params import DraftParams
-from eagle3pipe.verifier import VerifierInfo
+from eagle3pipe.draft import arch as archmod
+from eagle3pipe.data import batches
+from eagle3pipe.runtime import distributed
+from eagle3pipe.draft import formats
+from eagle3pipe.stages import vocab
+from eagle3pipe.stages import train as trainmod
+from eagle3pipe.config.params import DraftParams
+from eagle3pipe.verifier.handle import VerifierInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +54,7 @@ def write_draft_config(verifier: Path, path: Path, **overrides) -> archmod.Draft
 
 
 def _conversations(tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    from eagle3pipe import embedded
+    from eagle3pipe.verifier import embedded
 
     pairs = embedded.chat_pairs("heldout")
     g = torch.Generator().manual_seed(seed)
@@ -295,7 +298,7 @@ def test_the_loss_names_params_accept_are_speculators_own():
     speculators' implementations must know every name (and no other)."""
     from speculators.losses import utils
 
-    from eagle3pipe import schema
+    from eagle3pipe.config import schema
 
     assert set(schema.LOSSES) == set(utils._EAGER_LOSS_FN_MAP) == set(utils._FUSED_LOSS_FN_MAP)
 

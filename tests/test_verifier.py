@@ -21,10 +21,11 @@ from ruamel.yaml import YAML
 from conftest import MICRO_EMBEDDED, ROOT
 from test_fingerprint import CONFIG, make_checkpoint, write_safetensors_header
 
-from eagle3pipe import params as P
-from eagle3pipe import verifier, verifier_stage
-from eagle3pipe.arch import ArchError
-from eagle3pipe.verifier import VerifierConfigError
+from eagle3pipe.config import params as P
+from eagle3pipe.verifier import handle as verifier
+from eagle3pipe.stages import verifier as verifier_stage
+from eagle3pipe.draft.arch import ArchError
+from eagle3pipe.verifier.handle import VerifierConfigError
 
 GiB = 1 << 30
 
@@ -345,8 +346,8 @@ def test_suggested_aux_ids_are_themselves_valid(model_type):
     """The aux-id fix a refusal suggests passes the same checks (arch.derive): three distinct,
     ascending ids inside the verifier, none 0 where vLLM's DeepseekV2Model crashes on it; for 6
     layers it is not vLLM's fallback (2, 3, 3)."""
-    from eagle3pipe import families
-    from eagle3pipe.arch import derive
+    from eagle3pipe.verifier import families
+    from eagle3pipe.draft.arch import derive
 
     for layers in range(4, 81):
         ids = families.suggest_aux_ids(layers, {"model_type": model_type})

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3pipe import vocab
-from eagle3pipe.samples import SamplesError
-from eagle3pipe.vocab import VocabError
+from eagle3pipe.stages import vocab
+from eagle3pipe.data.samples import SamplesError
+from eagle3pipe.stages.vocab import VocabError
 
 ROOT = Path(__file__).resolve().parents[1]
 

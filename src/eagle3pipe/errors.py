@@ -1,7 +1,7 @@
 """The one error type of the project: a failure the user can fix.
 
 Every module's error class (ParamsError, VerifierError, ExtractError, ...) derives from `Error`,
-so the stage runner (eagle3pipe.stage) catches exactly one type, prints its message (which names
+so the stage runner (eagle3pipe.stages.runner) catches exactly one type, prints its message (which names
 the file, line or key, and ends with the fix) and exits with EXIT_CODE. Anything else is a bug
 and keeps its traceback.
 """

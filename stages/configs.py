@@ -1,7 +1,7 @@
 """DVC stage `configs`: every derived config from params.yaml + the verifier's config.json.
-See src/eagle3pipe/draft/formats.py."""
-from eagle3pipe.draft import formats
-from eagle3pipe.stages import runner as stage
+See src/eagle3pipe/stages/configs.py."""
+from eagle3pipe.stages import runner, configs
 
 if __name__ == "__main__":
-    stage.main("configs", formats.run, paths=("verifier", "out"), doc=__doc__)
+    runner.main("configs", configs.run, paths=("verifier", "out"),
+                doc=__doc__)

@@ -1,7 +1,7 @@
 """DVC stage `dataset`: prompts + verifier-regenerated replies, tokenized, with loss masks.
 See src/eagle3pipe/stages/dataset.py."""
-from eagle3pipe.stages import dataset
-from eagle3pipe.stages import runner as stage
+from eagle3pipe.stages import runner, dataset
 
 if __name__ == "__main__":
-    stage.main("dataset", dataset.run, paths=("verifier", "out", "metrics"), doc=__doc__)
+    runner.main("dataset", dataset.run, paths=("verifier", "out", "metrics"),
+                estimate=dataset.estimate, doc=__doc__)

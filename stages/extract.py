@@ -1,8 +1,7 @@
 """DVC stage `extract`: verifier hidden states (3 aux layers + pre-norm final) in speculators'
 on-disk layout. See src/eagle3pipe/stages/extract.py."""
-from eagle3pipe.stages import extract
-from eagle3pipe.stages import runner as stage
+from eagle3pipe.stages import runner, extract
 
 if __name__ == "__main__":
-    stage.main("extract", extract.run,
-               paths=("verifier", "dataset", "capture", "out", "metrics"), doc=__doc__)
+    runner.main("extract", extract.run, paths=("verifier", "dataset", "capture", "out", "metrics"),
+                estimate=extract.estimate, doc=__doc__)

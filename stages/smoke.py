@@ -1,8 +1,8 @@
 """DVC stage `smoke`: real vLLM loads the verifier with each exported EAGLE-3 draft format,
 generates greedily (lossless vs non-speculative), and records acceptance beside vLLM's ngram
 baseline. See src/eagle3pipe/stages/smoke.py."""
-from eagle3pipe.stages import smoke
-from eagle3pipe.stages import runner as stage
+from eagle3pipe.stages import runner, smoke
 
 if __name__ == "__main__":
-    stage.main("smoke", smoke.run, paths=("export", "verifier", "metrics", "plots"), doc=__doc__)
+    runner.main("smoke", smoke.run, paths=("export", "verifier", "metrics", "plots"),
+                estimate=smoke.estimate, doc=__doc__)

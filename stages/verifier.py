@@ -1,7 +1,7 @@
 """DVC stage `verifier`: build the embedded verifier (verifier.path: null) or fingerprint an
 existing Hugging Face checkpoint (verifier.path: DIR). See src/eagle3pipe/stages/verifier.py."""
-from eagle3pipe.stages import runner as stage
-from eagle3pipe.stages import verifier as verifier_stage
+from eagle3pipe.stages import runner, verifier
 
 if __name__ == "__main__":
-    stage.main("verifier", verifier_stage.run, paths=("out", "metrics"), doc=__doc__)
+    runner.main("verifier", verifier.run, paths=("out", "metrics"),
+                estimate=verifier.estimate, doc=__doc__)

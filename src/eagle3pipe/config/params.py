@@ -1,6 +1,6 @@
 """params.yaml: a loader whose errors name file, line and key, and the checks that need several
-keys. The schema is eagle3pipe.config.schema (re-exported here); the per-stage view that lets a stage
-read only the keys dvc.yaml declares is eagle3pipe.stages.runner.for_stage.
+keys. The schema is eagle3pipe.config.schema; the per-stage view that lets a stage read only
+the keys dvc.yaml declares is eagle3pipe.config.view.for_stage.
 """
 from __future__ import annotations
 
@@ -10,43 +10,20 @@ import math
 import os
 import types
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
-from eagle3pipe.errors import Error
-# the schema, re-exported: P.DraftParams, P.Params, ...
-from eagle3pipe.config.schema import (  # noqa: F401
-    EmbeddedVerifierParams, VerifierParams, DraftParams, VllmParams, DatasetParams, ExtractParams,
-    TrainParams, SmokeParams, Params)
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors
-
-
-@dataclass(frozen=True)
-class Problem:
-    file: str
-    line: int | None
-    key: str
-    message: str
-    fix: str = ""
-
-    def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
-        text = f"{where}: {self.key}: {self.message}"
-        return text + (f"\n    fix: {self.fix}" if self.fix else "")
+from eagle3pipe.config.schema import Params
+from eagle3pipe.errors import Error, Problem
 
 
 class ParamsError(Error, ValueError):
     def __init__(self, problems: list[Problem]):
-        self.problems = list(problems)
-        head = f"{len(self.problems)} problem(s) in params:" if len(self.problems) > 1 else ""
-        super().__init__("\n".join([head] * bool(head) + [str(p) for p in self.problems]))
+        super().__init__(f"{len(problems)} problem(s) in params:" if len(problems) > 1 else "",
+                         problems=problems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,25 +294,30 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 "use e.g. 0.1"))
 
 
+def tp_problem(tp: int, heads: int | None, kv_heads: int | None, whose: str, why: str = ""
+               ) -> tuple[str, str] | None:
+    """(message, fix) when vLLM cannot shard `whose` attention over `tp` tensor-parallel ranks:
+    the query heads must split evenly; the KV heads must split or be replicated (one divides the
+    other; vLLM's QKVParallelLinear). kv_heads None: no KV heads to shard (MLA's latent KV)."""
+    if heads and heads % tp:
+        return (f"{tp} does not divide the {whose}'s num_attention_heads {heads}"
+                + (f": {why}" if why else ""), f"pick a tensor_parallel_size that divides {heads}")
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        return (f"{tp} and the {whose}'s num_key_value_heads {kv_heads} do not divide one another "
+                "(vLLM splits or replicates KV heads)", f"pick a divisor or multiple of {kv_heads}")
+    return None
+
+
 def check_engine(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
     """What vLLM would refuse only after loading weights: heads that do not split over the
     tensor-parallel ranks (vLLM's draft runs at the verifier's TP size), sequences longer than
     the engine accepts. The verifier's own heads are checked against it in the verifier stage."""
     v, d = p.vllm, p.draft
-    tp = v.tensor_parallel_size
     key = "vllm.tensor_parallel_size"
-    if d.num_attention_heads % tp:
-        problems.append(Problem(file, lines.get(key), key,
-                                f"{tp} does not divide draft.num_attention_heads "
-                                f"{d.num_attention_heads}: vLLM shards the draft's heads over "
-                                "the same ranks as the verifier's",
-                                "pick a tensor_parallel_size that divides the head counts"))
-    elif d.num_key_value_heads % tp and tp % d.num_key_value_heads:
-        problems.append(Problem(file, lines.get(key), key,
-                                f"{tp} and draft.num_key_value_heads {d.num_key_value_heads} do "
-                                "not divide one another (vLLM splits or replicates KV heads)",
-                                "pick a tensor_parallel_size that divides the KV heads or "
-                                "that they divide"))
+    bad = tp_problem(v.tensor_parallel_size, d.num_attention_heads, d.num_key_value_heads,
+                     "draft", "vLLM shards the draft's heads over the same ranks as the verifier's")
+    if bad:
+        problems.append(Problem(file, lines.get(key), key, *bad))
     if p.dataset.max_seq_len > v.max_model_len:
         problems.append(Problem(file, lines.get("vllm.max_model_len"), "vllm.max_model_len",
                                 f"{v.max_model_len} is shorter than dataset.max_seq_len "
@@ -347,10 +329,6 @@ def check_engine(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 "vllm.gpu_memory_utilization",
                                 f"must be in (0, 1], got {v.gpu_memory_utilization}",
                                 "use e.g. 0.9"))
-
-
-def line_of(params: Params, key: str) -> int | None:
-    return getattr(params, "_lines", {}).get(key)
 
 
 def source_of(params: Params) -> str:

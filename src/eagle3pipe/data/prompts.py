@@ -8,12 +8,17 @@ error naming file:line, the params key and the fix.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tqdm import tqdm
+
 from eagle3pipe.data import samples
-from eagle3pipe.errors import Error
+from eagle3pipe.data.samples import json_type, message_problem, parse_line as parse_json_line
+from eagle3pipe.verifier import corpus
+from eagle3pipe.errors import Error, Problem
 
 PROMPTS_DIR = "prompts"  # a dep of the smoke stage in dvc.yaml: smoke.prompts must lie in it
 STDLIB_DOMAIN = "stdlib"  # the held-out stdlib prompts (smoke.prompts: null)
@@ -23,7 +28,10 @@ PROMPT_LINE = '{"messages": [{"role": "user", "content": "..."}], "domain": "...
 
 
 class PromptsError(Error, ValueError):
-    """smoke.prompts names no usable prompt file, or a line of it is not a chat prompt."""
+    """A prompt source (dataset.source, smoke.prompts) is missing or unusable."""
+
+
+log = logging.getLogger(__name__)
 
 
 def _default_where(key: str) -> str:
@@ -32,9 +40,13 @@ def _default_where(key: str) -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    ids: list[int]  # chat-templated prompt token ids
-    domain: str
-    source: str  # where it came from, for messages: "prompts/x.jsonl:7", "stdlib held-out #3"
+    """One chat prompt for the verifier (the dataset stage's and the smoke stage's)."""
+
+    ids: list[int]  # chat-templated prompt token ids, ending with the generation prompt
+    source: str  # what names it: a sample id ("stdlib-000003", "jsonl-0000007") or file:line
+    messages: list[dict] = field(default_factory=list)  # the kept turns (last user turn cut)
+    domain: str = DEFAULT_DOMAIN
+    truncated: bool = False
 
 
 def chat_ids(tok, messages: list[dict]) -> list[int]:
@@ -125,8 +137,8 @@ def read_prompts(path: Path, tok, limit: int, where: Callable[[str], str] = _def
             if problem:
                 raise PromptsError(f"{path}:{lineno}: {problem[0]} ({key})", fix=problem[1])
             messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-            out.append(Prompt(chat_ids(tok, messages), row.get("domain", DEFAULT_DOMAIN),
-                              f"{path}:{lineno}"))
+            out.append(Prompt(chat_ids(tok, messages), f"{path}:{lineno}",
+                              domain=row.get("domain", DEFAULT_DOMAIN)))
     if not out:
         raise PromptsError(f"{path}: no prompt in it (empty, or only blank lines; {key})",
                          fix=f"one prompt per line: {PROMPT_LINE}")
@@ -136,8 +148,186 @@ def read_prompts(path: Path, tok, limit: int, where: Callable[[str], str] = _def
 def load(s, tok, where: Callable[[str], str] = _default_where) -> tuple[list[Prompt], str]:
     """The prompts of the params' `smoke` section and where they came from."""
     if s.prompts is None:
-        return [Prompt(ids, STDLIB_DOMAIN, f"stdlib held-out prompt {i}")
+        return [Prompt(ids, f"stdlib held-out prompt {i}", domain=STDLIB_DOMAIN)
                 for i, ids in enumerate(build_prompts(tok, s.num_prompts, s.seed))], \
             STDLIB_SOURCE
     path = prompts_path(s.prompts, where)
     return read_prompts(path, tok, s.num_prompts, where), str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dataset stage's conversations (dataset.source)
+
+# Why an input line can be rejected; metrics report every reason, zeros included.
+REASONS = ("malformed_json", "missing_messages", "bad_message", "empty_conversation",
+           "no_user_turn", "too_long", "prompt_too_long")
+_FIX = {
+    "malformed_json": "make the line one complete JSON object",
+    "missing_messages": 'give the line a "messages" list: {"messages": [{"role": "user", '
+                        '"content": "..."}]}',
+    "bad_message": 'make every message an object with a "role" (system, user or assistant) '
+                   'and a string "content"',
+    "empty_conversation": "remove the line or add at least one user turn",
+    "no_user_turn": "add a user turn before the first assistant turn",
+    "too_long": "shorten the conversation or raise dataset.max_seq_len",
+    "prompt_too_long": "shorten the turns before the last user turn or raise "
+                       "dataset.max_prompt_tokens",
+}
+
+
+class BadInputError(PromptsError):
+    def __init__(self, file: str, line: int, reason: str, detail: str):
+        self.file, self.line, self.reason, self.detail = file, line, reason, detail
+        super().__init__(problems=[Problem(
+            file, line, reason, detail, f"{_FIX[reason]} (or set dataset.on_bad_input: skip to "
+            "count and skip such lines)")])
+
+
+@dataclass
+class ReadReport:
+    source: str
+    read: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
+    skipped_lines: dict[str, list[int]] = field(default_factory=dict)  # first few per reason
+
+    def skip(self, err: BadInputError) -> None:
+        self.skipped_by_reason[err.reason] += 1
+        lines = self.skipped_lines.setdefault(err.reason, [])
+        if len(lines) < 10:
+            lines.append(err.line)
+        if self.skipped_by_reason[err.reason] <= 3:
+            log.warning("skipping %s", str(err).splitlines()[0])
+
+
+def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
+               ) -> tuple[list[dict], list[int], bool] | None:
+    """Chat-templated prompt ids (with the generation prompt), the last user turn cut from its
+    end until they fit max_prompt_tokens. None when even an empty last user turn is too long."""
+    ids = template_ids(tokenizer, messages, add_generation_prompt=True)
+    if len(ids) <= max_prompt_tokens:
+        return messages, ids, False
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    content_ids = tokenizer(messages[last]["content"], add_special_tokens=False)["input_ids"]
+    keep = len(content_ids)
+    while True:
+        keep = max(0, min(keep - 1, keep - (len(ids) - max_prompt_tokens)))
+        cut = [dict(m) for m in messages]
+        cut[last]["content"] = tokenizer.decode(content_ids[:keep], skip_special_tokens=False)
+        ids = template_ids(tokenizer, cut, add_generation_prompt=True)
+        if len(ids) <= max_prompt_tokens:
+            return cut, ids, True
+        if keep == 0:
+            return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sources
+
+
+def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> tuple[list[Prompt],
+                                                                             ReadReport]:
+    snippets = corpus.snippets("prompt", cfg.num_samples, seed=cfg.seed)
+    report = ReadReport(source="stdlib:prompt")
+    prompts = []
+    for i, text in enumerate(tqdm(snippets, desc="dataset: prompts", disable=not progress,
+                                  mininterval=1.0)):
+        report.read += 1
+        fitted = fit_prompt(tokenizer, [{"role": "user", "content": text}],
+                            cfg.max_prompt_tokens)
+        if fitted is None:
+            raise PromptsError(
+                f"params.yaml: dataset.max_prompt_tokens ({cfg.max_prompt_tokens}) is shorter "
+                "than the chat template's own tokens", fix="raise dataset.max_prompt_tokens")
+        messages, ids, truncated = fitted
+        prompts.append(Prompt(ids, f"stdlib-{i:06d}", messages, truncated=truncated))
+    return prompts, report
+
+
+def _parse_line(raw: bytes, file: str, lineno: int, cfg: Any, tokenizer) -> Prompt:
+    def bad(reason: str, detail: str) -> BadInputError:
+        return BadInputError(file, lineno, reason, detail)
+
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark: accepted
+        raw = raw[3:]
+    record, err = parse_json_line(raw)
+    if err:
+        raise bad("malformed_json", err)
+    if not isinstance(record, dict):
+        raise bad("missing_messages", f"the line is a JSON {json_type(record)}, not an "
+                                      'object {"messages": [...]}')
+    if "messages" not in record:
+        raise bad("missing_messages", f'no "messages" key (got {sorted(record)})')
+    messages = record["messages"]
+    if not isinstance(messages, list):
+        raise bad("missing_messages", f'"messages" must be a list, got a JSON '
+                                      f"{json_type(messages)}")
+    if not messages:
+        raise bad("empty_conversation", '"messages" is empty')
+    for j, m in enumerate(messages):
+        problem = message_problem(j, m)
+        if problem:
+            raise bad("bad_message", problem)
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    first_assistant = next((j for j, m in enumerate(messages) if m["role"] == "assistant"),
+                           len(messages))
+    prefix = messages[:first_assistant]
+    if not any(m["role"] == "user" for m in prefix):
+        raise bad("no_user_turn", "no user turn before the first assistant turn")
+    n_tokens = len(template_ids(tokenizer, messages, add_generation_prompt=False))
+    if n_tokens > cfg.max_seq_len:
+        raise bad("too_long", f"the conversation is {n_tokens} tokens, dataset.max_seq_len is "
+                              f"{cfg.max_seq_len}")
+    fitted = fit_prompt(tokenizer, prefix, cfg.max_prompt_tokens)
+    if fitted is None:
+        raise bad("prompt_too_long", "the turns before the last user turn alone exceed "
+                                     f"dataset.max_prompt_tokens ({cfg.max_prompt_tokens})")
+    kept, ids, truncated = fitted
+    return Prompt(ids, f"jsonl-{lineno:07d}", kept, truncated=truncated)
+
+
+def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = True,
+                  where: Callable[[str], str] = lambda key: "params.yaml"
+                  ) -> tuple[list[Prompt], ReadReport]:
+    """Prompts from a JSONL of conversations: at most cfg.num_samples non-blank lines are read;
+    blank lines are ignored (their numbers still count). Bad lines raise BadInputError
+    (on_bad_input: error) or are counted by reason and skipped (skip). `where(key)` names the
+    params file and line of a key."""
+    path = Path(path)
+    fix = ('point it at a JSONL file of {"messages": [...]} lines, or null for stdlib prompts')
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "not found"
+        raise PromptsError(f"{where('dataset.source')}: dataset.source: {path} {state}", fix)
+    report = ReadReport(source=str(path))
+    prompts: list[Prompt] = []
+    try:
+        fh = path.open("rb")
+    except OSError as e:
+        raise PromptsError(f"{where('dataset.source')}: dataset.source: {path}: cannot read it "
+                           f"({e.strerror})", fix) from None
+    with fh:
+        bar = tqdm(total=cfg.num_samples, desc="dataset: read", disable=not progress,
+                   mininterval=1.0)
+        for lineno, raw in enumerate(fh, start=1):
+            if report.read >= cfg.num_samples:
+                break
+            if not raw.strip():
+                continue
+            report.read += 1
+            bar.update(1)
+            try:
+                prompts.append(_parse_line(raw, str(path), lineno, cfg, tokenizer))
+            except BadInputError as err:
+                if cfg.on_bad_input == "error":
+                    raise
+                report.skip(err)
+        bar.close()
+    if report.read == 0:
+        raise PromptsError(f"{path}: no conversation in it (empty, or only blank lines); "
+                           f"dataset.source at {where('dataset.source')}", fix)
+    return prompts, report

@@ -38,6 +38,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3pipe.runtime.units import human, parse_size
+
 log = logging.getLogger("eagle3pipe.data.store")
 
 STORE_VERSION = 1
@@ -56,10 +58,6 @@ def key(**parts: Any) -> str:
     blob = json.dumps({"store_version": STORE_VERSION, **parts}, sort_keys=True,
                       separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class Store:
@@ -110,20 +108,24 @@ def publish(src: Path, dst: Path) -> bool:
         return False
 
 
-def counts_path(stage: str) -> Path:
-    """metrics/<stage>_store.json: dvc.yaml lists it as a top-level metrics file."""
-    return Path("metrics") / f"{stage}_store.json"
+def counts_path(stage: str, dvc_yaml: str | os.PathLike) -> Path | None:
+    """Where dvc.yaml's top-level metrics put <stage>_store.json (relative to dvc.yaml, not to
+    the working directory), or None when it lists none."""
+    from eagle3pipe.config import dvcfile
+
+    return next((m for m in dvcfile.top_metrics(dvc_yaml) if m.name == f"{stage}_store.json"),
+                None)
 
 
 def record(stage: str, computed: int, reused: int, skipped: int, total: int,
-           linked: int | None = None) -> dict:
+           linked: int | None = None, *, to: Path | None) -> dict:
     """Writes (and returns) what a data stage's run did with its input: computed now, reused
     from the store, skipped as bad; they add up to the input. They depend on the store's
     history, not only on the params, so they are not in the stage's DVC outputs (which are
     byte-identical across clones and reruns) but in counts_path(stage), which `dvc metrics
     show` lists and no stage depends on (as smoke's timing file). Written after the stage's
     output is published; a stage DVC restores from its run cache does not run, so the file
-    keeps describing the last run that computed."""
+    keeps describing the last run that computed. to None: returned, not written."""
     from eagle3pipe.runtime.jsonio import write_json
 
     if computed + reused + skipped != total:
@@ -131,23 +133,9 @@ def record(stage: str, computed: int, reused: int, skipped: int, total: int,
     out = {"computed": computed, "reused": reused, "skipped": skipped, "total": total}
     if linked is not None:
         out["published_as_links"] = linked
-    counts_path(stage).parent.mkdir(parents=True, exist_ok=True)
-    write_json(counts_path(stage), out)
+    if to is not None:
+        write_json(to, out)
     return out
-
-
-def parse_size(text: str) -> int:
-    """A byte count: 500000000, 500M, 50G, 1.5T (powers of 1024); ValueError otherwise."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in units else ""
-    try:
-        n = float(t[:len(t) - len(unit)])
-    except ValueError:
-        n = -1.0
-    if not n >= 0:
-        raise ValueError(f"{text!r} is not a size (e.g. 500M, 50G)")
-    return int(n * units[unit])
 
 
 def bound() -> tuple[int, str]:
@@ -166,8 +154,6 @@ def bound() -> tuple[int, str]:
 
 def enforce_bound(repo: Path = Path(".")) -> dict:
     """Run by each data stage after it published: gc() down to bound(), logged."""
-    from eagle3pipe.tools.plan import human
-
     limit, source = bound()
     r = gc(repo, limit)
     log.info("store %s: %d entries, %s; bound %s (%s); removed %d unreferenced (%s)",

@@ -20,8 +20,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from eagle3pipe.verifier import families
-from eagle3pipe.errors import Error
-from eagle3pipe.config.params import DraftParams, Problem
+from eagle3pipe.config.schema import DraftParams
+from eagle3pipe.errors import Error, Problem
+from eagle3pipe.runtime.tensorfile import SAFETENSORS_BYTES
 from eagle3pipe.verifier.handle import VerifierInfo
 
 NUM_AUX = 3  # vLLM's Eagle3 fc input is fixed at 3 aux layers (speculators 0.8 drafts with 4 failed)
@@ -37,17 +38,13 @@ LAYER_PREFIX = {"speculators": "layers.0", "vllm": "midlayer"}
 # that fit this bound but not the planned device are `eagle3pipe plan`'s to report.
 LARGEST_ACCELERATOR_BYTES = 288 * 10 ** 9
 LARGEST_ACCELERATOR = "NVIDIA B300 / AMD Instinct MI355X, 288 GB"
-# bytes per element of each safetensors dtype name; the floating ones count as parameters
-SAFETENSORS_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2,
-                     "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
-                     "F8_E5M2": 1}
+# the floating safetensors dtypes count as parameters
 FLOATING = ("BF16", "F16", "F32", "F64")
 
 
 class ArchError(Error, ValueError):
     def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(str(p) for p in problems))
+        super().__init__(problems=problems)
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,14 @@ file is a CheckpointError naming the file, not a traceback.
 """
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import replace
 from pathlib import Path
 
 from eagle3pipe.draft import arch as A
 from eagle3pipe.draft import formats
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime import tensorfile
 
 FIX = "write the checkpoint again (rerun `dvc repro export`), or copy it again whole"
 CONFIG_FIX = ("state every field explicitly (consumers' defaults differ); a draft this "
@@ -33,88 +32,8 @@ class CheckpointError(Error, ValueError):
 
 
 def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor: (dtype, shape)} from a safetensors header, without loading a tensor (only the
-    header is read, whatever the file's size): 8 bytes little-endian header length, then a JSON
-    object checked as safetensors itself checks it before any tensor is read (_entries), and a
-    data section exactly as long as the header says (a truncated file is an error)."""
-    try:
-        size = Path(path).stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)",
-                                      FIX)
-            (n,) = struct.unpack("<Q", head)
-            if n > min(100 * 2**20, size - 8):
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n}, "
-                                      f"file size {size})", FIX)
-            raw = fh.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read it ({e.strerror})", FIX) from None
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not a safetensors file (header: not UTF-8 at byte "
-                              f"{8 + e.start})", FIX) from None
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file (header: {e})", FIX) from None
-    out, end = _entries(meta, path)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: truncated: its header puts tensor data up to byte "
-                              f"{8 + n + end}, the file has {size}", FIX)
-    if 8 + n + end < size:
-        raise CheckpointError(f"{path}: {size - 8 - n - end} bytes after the last tensor's data "
-                              "(safetensors refuses such a file)", FIX)
-    return out
-
-
-def _entries(meta, path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
-    """({tensor: (dtype, shape)}, bytes of tensor data) of a parsed header, checked as
-    safetensors checks it (safetensors/src/tensor.rs, Metadata::validate): known dtypes, shapes
-    of non-negative integers, [begin, end] offsets that hold exactly shape x dtype bytes and
-    tile the data section from byte 0 without gap or overlap, string __metadata__."""
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{path}: not a safetensors file (header: {what})", FIX)
-
-    def naturals(v) -> bool:
-        return isinstance(v, list) and all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
-
-    if not isinstance(meta, dict):
-        kind = {list: "array", str: "string", int: "number", float: "number"}.get(type(meta))
-        raise bad(f"a JSON {kind or 'value'}, not an object")
-    extra = meta.get("__metadata__", {})
-    if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
-        raise bad(f"__metadata__ {json.dumps(extra)[:60]} is not a map of strings")
-    out, spans = {}, []
-    for name, v in meta.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(v, dict) or not {"dtype", "shape", "data_offsets"} <= set(v):
-            raise bad(f"tensor {name}: {json.dumps(v)[:60]} lacks dtype, shape or data_offsets")
-        dt, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
-        if dt not in A.SAFETENSORS_BYTES:
-            raise bad(f"tensor {name}: dtype {dt!r} is not one of "
-                      f"{', '.join(A.SAFETENSORS_BYTES)}")
-        if not naturals(shape):
-            raise bad(f"tensor {name}: shape {json.dumps(shape)[:40]} is not a list of "
-                      "non-negative integers")
-        if not naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-            raise bad(f"tensor {name}: data_offsets {json.dumps(offsets)[:40]} are not "
-                      "[begin, end] with 0 <= begin <= end")
-        need = math.prod(shape) * A.SAFETENSORS_BYTES[dt]
-        if offsets[1] - offsets[0] != need:
-            raise bad(f"tensor {name}: data_offsets {offsets} hold {offsets[1] - offsets[0]} "
-                      f"bytes, its shape {shape} in {dt} needs {need}")
-        out[name] = (dt, tuple(shape))
-        spans.append((offsets[0], offsets[1], name))
-    end = 0
-    for begin, stop, name in sorted(spans):
-        if begin != end:
-            raise bad(f"tensor {name}: its data starts at byte {begin} of the data section, "
-                      f"the previous tensor's ends at {end} (a gap or an overlap)")
-        end = stop
-    return out, end
+    """{tensor: (dtype, shape)} of one exported safetensors file (runtime.tensorfile)."""
+    return tensorfile.read_header(path, error=CheckpointError, fix=FIX).tensors
 
 
 def checkpoint_tensors(ckpt: str | Path) -> dict[str, tuple[str, tuple[int, ...], Path]]:

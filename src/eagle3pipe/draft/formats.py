@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from eagle3pipe.draft.arch import NUM_AUX, SAFETENSORS_DTYPE, DraftArch
+from eagle3pipe.verifier.handle import EMBEDDED_VERIFIER_DIR
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.jsonio import dumps, read_json_object
 
 FILES = ("draft_config.json", "speculators/config.json", "vllm/config.json", "capture.json",
          "verifier_config.json")
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
-EMBEDDED_VERIFIER_DIR = "artifacts/verifier"
 
 # Fields of the flat config that vLLM (0.32, llama_eagle3.py + LlamaConfig) reads, and vLLM's
 # value when a field is absent (used to compare against published configs that omit it).
@@ -230,23 +230,6 @@ def render_files(draft, verifier_path: str | None, verifier_config_file: str | P
                   num_speculative_tokens=draft.num_speculative_tokens)
 
 
-def default_verifier_config(verifier_path: str | None, configs_dir: str | Path = "configs") -> Path:
-    """Where render/check find the verifier's config.json without running the pipeline:
-    the checkpoint named by verifier.path, else the verifier stage's output, else the copy the
-    configs stage committed (configs/verifier_config.json)."""
-    candidates = []
-    if verifier_path is not None:
-        candidates.append(Path(verifier_path) / "config.json")
-    candidates += [Path(EMBEDDED_VERIFIER_DIR) / "config.json",
-                   Path(configs_dir) / "verifier_config.json"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise ConfigError(
-        "no verifier config.json found (looked at " + ", ".join(map(str, candidates)) +
-        "); run `dvc repro verifier` or pass --verifier-config FILE")
-
-
 def render_into(out_dir: str | Path, draft, verifier_path: str | None,
                 verifier_config_file: str | Path, *, params_file: str = "params.yaml",
                 lines: dict | None = None) -> dict[Path, str]:
@@ -429,14 +412,3 @@ def differences(a: DraftArch, b: DraftArch, *, ignore: tuple[str, ...] = ()
         if f not in ignore and x != y:
             out.append((f, x, y))
     return out
-
-
-def run(params, paths) -> None:
-    """The configs stage (eagle3pipe.stages.runner.main): params.draft + paths.verifier (its config.json)
-    -> every derived config under paths.out; files whose bytes are unchanged are not touched."""
-    import logging
-
-    states = render_into(paths.out, params.draft, params.verifier.path, paths.verifier,
-                         params_file=params.params_file, lines=params.key_lines)
-    for path, state in states.items():
-        logging.getLogger(__name__).info("%s %s", path, state)

@@ -31,84 +31,30 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from tqdm import tqdm
 
-from eagle3pipe.verifier import corpus
 from eagle3pipe.errors import Error
 from eagle3pipe.engines import engine
 from eagle3pipe.data import store
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
-from eagle3pipe.data.samples import (json_type, message_problem, parse_line as parse_json_line,
-                                write_jsonl)
+from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
+from eagle3pipe.data.samples import write_jsonl
 from eagle3pipe.verifier.handle import Verifier
+from eagle3pipe.config.schema import Params
+from eagle3pipe.stages import estimate as E
 
 log = logging.getLogger(__name__)
-
-# Why an input line can be rejected; metrics report every reason, zeros included.
-REASONS = ("malformed_json", "missing_messages", "bad_message", "empty_conversation",
-           "no_user_turn", "too_long", "prompt_too_long")
-_FIX = {
-    "malformed_json": "make the line one complete JSON object",
-    "missing_messages": 'give the line a "messages" list: {"messages": [{"role": "user", '
-                        '"content": "..."}]}',
-    "bad_message": 'make every message an object with a "role" (system, user or assistant) '
-                   'and a string "content"',
-    "empty_conversation": "remove the line or add at least one user turn",
-    "no_user_turn": "add a user turn before the first assistant turn",
-    "too_long": "shorten the conversation or raise dataset.max_seq_len",
-    "prompt_too_long": "shorten the turns before the last user turn or raise "
-                       "dataset.max_prompt_tokens",
-}
-
 
 class DatasetError(Error, ValueError):
     """A problem with the stage's inputs or settings that stops the stage."""
 
 
-class BadInputError(DatasetError):
-    def __init__(self, file: str, line: int, reason: str, detail: str):
-        self.file, self.line, self.reason, self.detail = file, line, reason, detail
-        super().__init__(f"{file}:{line}: {reason}: {detail}\n    fix: {_FIX[reason]} "
-                         "(or set dataset.on_bad_input: skip to count and skip such lines)")
-
-
-@dataclass
-class Prompt:
-    id: str
-    messages: list[dict]          # the kept conversation prefix (user turn possibly truncated)
-    prompt_ids: list[int]         # chat-templated prompt, ends with the generation prompt
-    truncated: bool = False
-
-
-@dataclass
-class ReadReport:
-    source: str
-    read: int = 0
-    skipped_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
-    skipped_lines: dict[str, list[int]] = field(default_factory=dict)  # first few per reason
-
-    def skip(self, err: BadInputError) -> None:
-        self.skipped_by_reason[err.reason] += 1
-        lines = self.skipped_lines.setdefault(err.reason, [])
-        if len(lines) < 10:
-            lines.append(err.line)
-        if self.skipped_by_reason[err.reason] <= 3:
-            log.warning("skipping %s", str(err).splitlines()[0])
-
-
 # ---------------------------------------------------------------------------------------------
 # The verifier
-
-
-def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=True)
-    return list(out["input_ids"])
 
 
 def closing_token_id(tokenizer) -> int:
@@ -131,31 +77,6 @@ def closing_token_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
-def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
-               ) -> tuple[list[dict], list[int], bool] | None:
-    """Chat-templated prompt ids (with the generation prompt), the last user turn cut from its
-    end until they fit max_prompt_tokens. None when even an empty last user turn is too long."""
-    ids = template_ids(tokenizer, messages, add_generation_prompt=True)
-    if len(ids) <= max_prompt_tokens:
-        return messages, ids, False
-    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    content_ids = tokenizer(messages[last]["content"], add_special_tokens=False)["input_ids"]
-    keep = len(content_ids)
-    while True:
-        keep = max(0, min(keep - 1, keep - (len(ids) - max_prompt_tokens)))
-        cut = [dict(m) for m in messages]
-        cut[last]["content"] = tokenizer.decode(content_ids[:keep], skip_special_tokens=False)
-        ids = template_ids(tokenizer, cut, add_generation_prompt=True)
-        if len(ids) <= max_prompt_tokens:
-            return cut, ids, True
-        if keep == 0:
-            return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompt sources
-
-
 def check_settings(cfg: Any, v: Verifier, where: Callable[[str], str] = lambda key: "params.yaml"
                    ) -> None:
     """Settings problems that would otherwise surface deep inside vLLM. `where(key)` names the
@@ -175,109 +96,6 @@ def check_settings(cfg: Any, v: Verifier, where: Callable[[str], str] = lambda k
             f"set dataset.max_seq_len <= {max_pos}")
 
 
-def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> tuple[list[Prompt],
-                                                                             ReadReport]:
-    snippets = corpus.snippets("prompt", cfg.num_samples, seed=cfg.seed)
-    report = ReadReport(source="stdlib:prompt")
-    prompts = []
-    for i, text in enumerate(tqdm(snippets, desc="dataset: prompts", disable=not progress,
-                                  mininterval=1.0)):
-        report.read += 1
-        fitted = fit_prompt(tokenizer, [{"role": "user", "content": text}],
-                            cfg.max_prompt_tokens)
-        if fitted is None:
-            raise DatasetError(
-                f"params.yaml: dataset.max_prompt_tokens ({cfg.max_prompt_tokens}) is shorter "
-                "than the chat template's own tokens; fix: raise dataset.max_prompt_tokens")
-        messages, ids, truncated = fitted
-        prompts.append(Prompt(f"stdlib-{i:06d}", messages, ids, truncated))
-    return prompts, report
-
-
-def _parse_line(raw: bytes, file: str, lineno: int, cfg: Any, tokenizer) -> Prompt:
-    def bad(reason: str, detail: str) -> BadInputError:
-        return BadInputError(file, lineno, reason, detail)
-
-    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark: accepted
-        raw = raw[3:]
-    record, err = parse_json_line(raw)
-    if err:
-        raise bad("malformed_json", err)
-    if not isinstance(record, dict):
-        raise bad("missing_messages", f"the line is a JSON {json_type(record)}, not an "
-                                      'object {"messages": [...]}')
-    if "messages" not in record:
-        raise bad("missing_messages", f'no "messages" key (got {sorted(record)})')
-    messages = record["messages"]
-    if not isinstance(messages, list):
-        raise bad("missing_messages", f'"messages" must be a list, got a JSON '
-                                      f"{json_type(messages)}")
-    if not messages:
-        raise bad("empty_conversation", '"messages" is empty')
-    for j, m in enumerate(messages):
-        problem = message_problem(j, m)
-        if problem:
-            raise bad("bad_message", problem)
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    first_assistant = next((j for j, m in enumerate(messages) if m["role"] == "assistant"),
-                           len(messages))
-    prefix = messages[:first_assistant]
-    if not any(m["role"] == "user" for m in prefix):
-        raise bad("no_user_turn", "no user turn before the first assistant turn")
-    n_tokens = len(template_ids(tokenizer, messages, add_generation_prompt=False))
-    if n_tokens > cfg.max_seq_len:
-        raise bad("too_long", f"the conversation is {n_tokens} tokens, dataset.max_seq_len is "
-                              f"{cfg.max_seq_len}")
-    fitted = fit_prompt(tokenizer, prefix, cfg.max_prompt_tokens)
-    if fitted is None:
-        raise bad("prompt_too_long", "the turns before the last user turn alone exceed "
-                                     f"dataset.max_prompt_tokens ({cfg.max_prompt_tokens})")
-    kept, ids, truncated = fitted
-    return Prompt(f"jsonl-{lineno:07d}", kept, ids, truncated)
-
-
-def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = True,
-                  where: Callable[[str], str] = lambda key: "params.yaml"
-                  ) -> tuple[list[Prompt], ReadReport]:
-    """Prompts from a JSONL of conversations: at most cfg.num_samples non-blank lines are read;
-    blank lines are ignored (their numbers still count). Bad lines raise BadInputError
-    (on_bad_input: error) or are counted by reason and skipped (skip). `where(key)` names the
-    params file and line of a key."""
-    path = Path(path)
-    fix = ('point it at a JSONL file of {"messages": [...]} lines, or null for stdlib prompts')
-    if not path.is_file():
-        state = "is not a file" if path.exists() else "not found"
-        raise DatasetError(f"{where('dataset.source')}: dataset.source: {path} {state}", fix)
-    report = ReadReport(source=str(path))
-    prompts: list[Prompt] = []
-    try:
-        fh = path.open("rb")
-    except OSError as e:
-        raise DatasetError(f"{where('dataset.source')}: dataset.source: {path}: cannot read it "
-                           f"({e.strerror})", fix) from None
-    with fh:
-        bar = tqdm(total=cfg.num_samples, desc="dataset: read", disable=not progress,
-                   mininterval=1.0)
-        for lineno, raw in enumerate(fh, start=1):
-            if report.read >= cfg.num_samples:
-                break
-            if not raw.strip():
-                continue
-            report.read += 1
-            bar.update(1)
-            try:
-                prompts.append(_parse_line(raw, str(path), lineno, cfg, tokenizer))
-            except BadInputError as err:
-                if cfg.on_bad_input == "error":
-                    raise
-                report.skip(err)
-        bar.close()
-    if report.read == 0:
-        raise DatasetError(f"{path}: no conversation in it (empty, or only blank lines); "
-                           f"dataset.source at {where('dataset.source')}", fix)
-    return prompts, report
-
-
 # ---------------------------------------------------------------------------------------------
 # Generation
 
@@ -288,7 +106,7 @@ def reply_keys(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict) -> 
     base = {"stage": "dataset", "verifier": v.fingerprint, "engine": engine.numeric(settings),
             "sampling": {"temperature": 0.0, "max_tokens": cfg.max_new_tokens,
                          "seed": cfg.seed}}
-    return [store.key(**base, prompt=p.prompt_ids) for p in prompts]
+    return [store.key(**base, prompt=p.ids) for p in prompts]
 
 
 def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, keys: list[str], *,
@@ -316,7 +134,7 @@ def generate(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict, keys:
             bar = tqdm(total=len(todo), unit="prompt", desc="generate", disable=not progress)
             for c in range(0, len(todo), cfg.batch_size):
                 chunk = todo[c:c + cfg.batch_size]
-                outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i].prompt_ids)
+                outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i].ids)
                                      for i in chunk], sampling, use_tqdm=False)
                 for i, o in zip(chunk, outs):
                     replies.put_json(keys[i], {"reply": list(o.outputs[0].token_ids),
@@ -345,9 +163,9 @@ def assemble(prompt: Prompt, reply_ids: list[int], tokenizer, closer: int) -> di
     body = reply_ids[:-1] if closed else reply_ids
     reply = list(reply_ids) if closed else list(reply_ids) + [closer]
     text = tokenizer.decode(body, skip_special_tokens=False)
-    return {"id": prompt.id,
-            "input_ids": list(prompt.prompt_ids) + reply,
-            "loss_mask": [0] * len(prompt.prompt_ids) + [1] * len(reply),
+    return {"id": prompt.source,
+            "input_ids": list(prompt.ids) + reply,
+            "loss_mask": [0] * len(prompt.ids) + [1] * len(reply),
             "messages": prompt.messages + [{"role": "assistant", "content": text}]}
 
 
@@ -384,7 +202,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Path, *,
-          progress: bool = True, where: Callable[[str], str] = lambda key: "params.yaml") -> dict:
+          progress: bool = True, where: Callable[[str], str] = lambda key: "params.yaml",
+          record_to: Path | None = None) -> dict:
     """The dataset stage. `cfg` is the params' `dataset` section, `settings` the engine's
     (eagle3pipe.engines.engine.settings_of(params.vllm)). Writes out_dir/{train,eval}.jsonl
     atomically and returns the metrics (counts add up: read = kept + sum(skipped_by_reason))."""
@@ -422,7 +241,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     with atomic_dir(out_dir) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "eval.jsonl", evals)
-        key_of = {p.id: k for p, k in zip(prompts, keys)}  # what `eagle3pipe gc` keeps
+        key_of = {p.source: k for p, k in zip(prompts, keys)}  # what `eagle3pipe gc` keeps
         write_json(tmp / "store_keys.json", {"eval": [key_of[s["id"]] for s in evals],
                                              "train": [key_of[s["id"]] for s in train]})
     metrics = {
@@ -445,7 +264,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
     # a prompt the store already had a reply for (a repeated prompt counts as reused)
     counts = store.record("dataset", timing["computed"], len(samples) - timing["computed"],
-                          skipped, report.read)
+                          skipped, report.read, to=record_to)
     log.info("store %s: %d replies generated, %d reused, %d lines skipped as bad",
              store.root(), counts["computed"], counts["reused"], counts["skipped"])
     store.enforce_bound()
@@ -461,4 +280,15 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stages.runner.main): paths.verifier -> paths.out; returns the metrics."""
     return build(params.dataset, engine.settings_of(params.vllm), paths.verifier, paths.out,
-                 progress=paths.progress, where=params.where)
+                 progress=paths.progress, where=params.where,
+                 record_to=store.counts_path("dataset", paths.dvc_yaml))
+
+
+def estimate(params: Params, f: E.Figures) -> E.Estimate:
+    """The verifier in vLLM regenerating every reply; ~TOKEN_ROW_BYTES of disk per token."""
+    d = params.dataset
+    e = E.engine_estimate("dataset", params.vllm, f, f.tokens, f.tokens * E.TOKEN_ROW_BYTES,
+                          sized_by="dataset.num_samples")
+    e.notes.append(f"tokens <= {d.num_samples:,} samples x ({d.max_prompt_tokens} + "
+                   f"{d.max_new_tokens}); disk ~{E.TOKEN_ROW_BYTES} B/token")
+    return e

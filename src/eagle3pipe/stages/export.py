@@ -31,6 +31,9 @@ from eagle3pipe.draft import formats
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.config.schema import Params
+from eagle3pipe.runtime.units import human
+from eagle3pipe.stages import estimate as E
 
 log = logging.getLogger("eagle3pipe.stages.export")
 
@@ -165,3 +168,12 @@ def run(params, paths) -> None:
     for fmt, s in summary.items():
         log.info("%s/%s: %d tensors, %s, %d bytes", paths.out, fmt, s["tensors"], s["dtype"],
                  s["bytes"])
+
+
+def estimate(params: Params, f: E.Figures) -> E.Estimate:
+    """One file per exported layout, each the draft in draft.dtype."""
+    n = len(archmod.LAYOUTS)
+    return E.Estimate("export", "none (torch CPU)", 1, None, n * f.draft_bytes, None,
+                      f.train_bytes + f.draft_bytes,
+                      [f"{n} layouts x {human(f.draft_bytes)} in {params.draft.dtype}"],
+                      sized_by="draft (its size)")

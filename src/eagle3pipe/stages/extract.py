@@ -47,6 +47,9 @@ from eagle3pipe.runtime.seeds import seed_everything
 from eagle3pipe.errors import Error
 from eagle3pipe.data.samples import Sample, read as read_split
 from eagle3pipe.verifier.handle import Verifier, VerifierInfo
+from eagle3pipe.config.schema import Params
+from eagle3pipe.runtime.units import human
+from eagle3pipe.stages import estimate as E
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +248,7 @@ def sample_keys(v: Verifier, samples: list[Sample], layer_ids: list[int], settin
 
 def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             capture_path: str | os.PathLike, out_dir: str | os.PathLike, *, settings: dict,
-            e, progress: bool = True) -> dict:
+            e, progress: bool = True, record_to: Path | None = None) -> dict:
     """The extract stage: verifier + dataset + capture.json -> artifacts/hidden, captured by
     vLLM with the run's engine settings, spot-checked against the transformers oracle,
     validated and published atomically. `e` is the params' `extract` section. Returns the
@@ -285,7 +288,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             "slots": slot_names(aux), "hidden_size": spec.hidden_size,
             "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
             "splits": counts, "store_keys": keys})  # what `eagle3pipe gc` keeps
-    store.record("extract", computed, total - computed, 0, total, linked)
+    store.record("extract", computed, total - computed, 0, total, linked, to=record_to)
     log.info("store %s: %d samples computed, %d reused, %d published as hard links",
              store.root(), computed, total - computed, linked)
     store.enforce_bound()
@@ -414,8 +417,20 @@ def run(params, paths) -> dict:
     from eagle3pipe.engines.engine import settings_of
 
     m = extract(paths.verifier, paths.dataset, paths.capture, paths.out,
-                settings=settings_of(params.vllm), e=params.extract, progress=paths.progress)
+                settings=settings_of(params.vllm), e=params.extract, progress=paths.progress,
+                record_to=store.counts_path("extract", paths.dvc_yaml))
     log.info("%d samples, %d tokens, %.0f tokens/s, %.0f bytes/token (min %d) -> %s",
              m["samples"], m["tokens"], m["tokens_per_second"], m["bytes_per_token"],
              m["min_bytes_per_token"], paths.out)
     return {k: v for k, v in m.items() if k != "tokens_per_second"}
+
+
+def estimate(params: Params, f: E.Figures) -> E.Estimate:
+    """The verifier in vLLM capturing every token's states: the largest output of the run."""
+    hidden = f.tokens * f.hidden_per_token
+    rows = f.tokens * (E.HS_TOKEN_IDS_BYTES + E.TOKEN_ROW_BYTES)
+    e = E.engine_estimate("extract", params.vllm, f, f.tokens, hidden + rows,
+                          sized_by="dataset.num_samples")
+    e.notes.append(f"hidden states {f.hidden_per_token:,} B/token x {f.tokens:,} tokens = "
+                   f"{human(hidden)}, + {human(rows)} of token ids and rows")
+    return e

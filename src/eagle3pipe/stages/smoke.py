@@ -54,6 +54,8 @@ from eagle3pipe.errors import Error
 from eagle3pipe.data.prompts import STDLIB_SOURCE, Prompt
 from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass, timing_of
 from eagle3pipe.verifier.handle import Verifier
+from eagle3pipe.config.schema import Params
+from eagle3pipe.stages import estimate as E
 
 log = logging.getLogger("eagle3pipe.stages.smoke")
 
@@ -666,3 +668,14 @@ def run(params, paths) -> dict:
     return measure(s, engine.settings_of(params.vllm), export_dir=paths.export,
                    verifier_dir=paths.verifier, plots_path=paths.plots, outputs=out,
                    progress=getattr(paths, "progress", True), where=params.where)
+
+
+def estimate(params: Params, f: E.Figures) -> E.Estimate:
+    """Every engine (no speculation, one per exported layout, ngram) one after another."""
+    s, v = params.smoke, params.vllm
+    engines = 2 + len(FORMATS)
+    e = E.engine_estimate("smoke", v, f, s.num_prompts * s.max_tokens * engines, None,
+                          extra=f.draft_bytes // v.tensor_parallel_size)
+    e.notes.append(f"{engines} engines one after another, {s.num_prompts} prompts x "
+                   f"{s.max_tokens} tokens each")
+    return e

@@ -19,16 +19,18 @@ machine's vLLM is logged and recorded in the metrics (`preflight_limits`).
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import logging
 import shutil
 import time
 from pathlib import Path
 
+from eagle3pipe.errors import Problem
 from eagle3pipe.verifier import fingerprint as fp
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
+from eagle3pipe.config.schema import Params
+from eagle3pipe.stages import estimate as E
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +75,12 @@ def preflight(d: Path, engine: dict, params_file: str, lines: dict | None) -> li
     limits (as text) after logging them."""
     from eagle3pipe.verifier import preflight as pf
 
-    found = pf.check(d, trust_remote_code=engine["trust_remote_code"], dtype=engine["dtype"],
-                     params_file=params_file, lines=lines)
-    pf.report(found)
-    errors = [f for f in found if f.kind == "error"]
+    errors, limits = pf.check(d, trust_remote_code=engine["trust_remote_code"],
+                              dtype=engine["dtype"], params_file=params_file, lines=lines)
+    pf.report(errors, limits)
     if errors:
-        raise VerifierError("the verifier preflight failed before any compute:\n"
-                            + "\n".join(f"  - {f}" for f in errors))
-    return [str(f) for f in found if f.kind == "limit"]
+        raise VerifierError("the verifier preflight failed before any compute:", problems=errors)
+    return [str(f) for f in limits]
 
 
 def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
@@ -88,16 +88,14 @@ def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
     """arch.derive's cross-checks of the draft params against a verifier (raises ArchError),
     and the verifier's heads against vllm.tensor_parallel_size `tp` (vLLM shards them over the
     ranks; it would refuse only after loading the weights)."""
+    from eagle3pipe.config.params import tp_problem
     from eagle3pipe.draft import arch
-    from eagle3pipe.config.params import Problem
 
-    heads = info.num_attention_heads
-    if isinstance(heads, int) and heads % tp:
+    bad = tp_problem(tp, info.num_attention_heads, info.num_key_value_heads, "verifier",
+                     f"vLLM shards its heads over the ranks ({info.source})")
+    if bad:
         key = "vllm.tensor_parallel_size"
-        raise arch.ArchError([Problem(params_file, (lines or {}).get(key), key,
-                                      f"{tp} does not divide the verifier's "
-                                      f"num_attention_heads {heads} ({info.source})",
-                                      "pick a tensor_parallel_size that divides it")])
+        raise arch.ArchError([Problem(params_file, (lines or {}).get(key), key, *bad)])
     return arch.derive(draft, info, params_file=params_file, lines=lines)
 
 
@@ -135,8 +133,8 @@ def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_fi
               progress, tp, pre) -> dict:
     src = (base_dir / Path(path).expanduser()).resolve()
     if not src.is_dir():
-        raise VerifierError(f"{params_file}: verifier.path: {path!r} ({src}) is not a directory"
-                            "\n    fix: point it at a Hugging Face checkpoint directory (the one "
+        raise VerifierError(f"{params_file}: verifier.path: {path!r} ({src}) is not a directory",
+                            fix="point it at a Hugging Face checkpoint directory (the one "
                             "holding config.json), or set it to null for the embedded verifier")
     info = VerifierInfo.from_config(src / "config.json")  # decoder-only, hidden/layers/vocab
     if draft is not None:
@@ -154,7 +152,7 @@ def _run_path(base_dir: Path, path: str, mode: str, out_dir, *, draft, params_fi
         for n in copied:
             shutil.copyfile(src / n, tmp / n)
             expect = body["files"][n].get("sha256")
-            if expect and _sha256(tmp / n) != expect:
+            if expect and fp.sha256_file(tmp / n) != expect:
                 raise VerifierError(f"{src / n} changed while the verifier stage was reading it;"
                                     " rerun the stage")
         (tmp / MANIFEST).write_text(dumps(manifest))
@@ -170,10 +168,6 @@ def _copied(name: str, size: int) -> bool:
         fnmatch.fnmatchcase(name, pat) for pat in COPY_PATTERNS)
 
 
-def _sha256(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
 def run(params, paths) -> dict:
     """The stage (eagle3pipe.stages.runner.main): params.verifier -> paths.out; returns the metrics.
     The `draft` section and vllm.tensor_parallel_size, .trust_remote_code and .dtype are read
@@ -187,3 +181,17 @@ def run(params, paths) -> dict:
     log.info("wrote %s (%s)", paths.out,
              ", ".join(f"{k}={m[k]}" for k in ("mode", "n_files", "total_bytes")))
     return m
+
+
+def estimate(params: Params, f: E.Figures) -> E.Estimate:
+    """The embedded verifier's training, or a path verifier's fingerprint (a manifest only)."""
+    e = params.verifier.embedded
+    if params.verifier.path is not None or e is None:
+        return E.Estimate("verifier", f"none (fingerprint: {params.verifier.hash_mode})", 1,
+                          notes=[f"fingerprints {params.verifier.path}; writes a manifest only"])
+    return E.Estimate(
+        "verifier", f"torch CPU x{e.threads} threads (embedded)", 1,
+        tokens=e.train_steps * e.batch_size * e.seq_len, disk_bytes=f.verifier_disk,
+        host_bytes=f.verifier_params * E.ADAMW_BYTES_PER_PARAM, sized_by="verifier.embedded",
+        notes=[f"trains {f.verifier_params:,} parameters for {e.train_steps} steps of "
+               f"{e.batch_size} x {e.seq_len} tokens"])

@@ -1,4 +1,5 @@
-"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps` and `gc`."""
+"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps` and `gc`.
+Exit codes: eagle3pipe.errors (0 ok, 1 a check found differences, 2 an input to fix)."""
 from __future__ import annotations
 
 import argparse
@@ -6,38 +7,39 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3pipe.tools import check as C
-from eagle3pipe.tools import scan as S
-from eagle3pipe.draft import formats as R
-from eagle3pipe.config import params as P
+from eagle3pipe.config import params
+from eagle3pipe.config.schema import Params
+from eagle3pipe.draft import formats
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.draft.checkpoint import check_checkpoint
-from eagle3pipe.errors import Error
+from eagle3pipe.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, Error
+from eagle3pipe.runtime import units
 from eagle3pipe.runtime.jsonio import read_json_object
-from eagle3pipe.verifier.handle import VerifierInfo
+from eagle3pipe.tools import check, scan
+from eagle3pipe.verifier.handle import VerifierInfo, find_config
 
 
-def _load(args) -> tuple[P.Params, Path]:
-    params = P.load(args.params)
+def _load(args) -> tuple[Params, Path]:
+    p = params.load(args.params)
     vcfg = Path(args.verifier_config) if args.verifier_config else \
-        R.default_verifier_config(params.verifier.path, args.configs)
-    return params, vcfg
+        find_config(p.verifier.path, args.configs)
+    return p, vcfg
 
 
 def cmd_render(args) -> int:
-    params, vcfg = _load(args)
-    states = R.render_into(args.out, params.draft, params.verifier.path, vcfg,
-                           params_file=args.params, lines=P.lines_of(params))
+    p, vcfg = _load(args)
+    states = formats.render_into(args.out, p.draft, p.verifier.path, vcfg,
+                                 params_file=args.params, lines=params.lines_of(p))
     for path, state in states.items():
         print(f"{path}: {state}")
-    return 0
+    return EXIT_OK
 
 
 def _reference(args, files: dict[str, str], verifier_num_layers: int) -> list[str]:
     """Prints the field-by-field comparison with a published flat config; its problems."""
-    ref = read_json_object(args.reference, R.ConfigError,
+    ref = read_json_object(args.reference, formats.ConfigError,
                            "pass a published flat EAGLE-3 config.json", "reference config")
-    rows, found = C.compare_reference(json.loads(files["vllm/config.json"]), ref,
+    rows, found = check.compare_reference(json.loads(files["vllm/config.json"]), ref,
                                       verifier_num_layers=verifier_num_layers)
     print(f"reference {args.reference}:")
     for r in rows:
@@ -51,14 +53,15 @@ def _reference(args, files: dict[str, str], verifier_num_layers: int) -> list[st
 
 def cmd_check(args) -> int:
     problems: list[str] = []
-    params, vcfg = _load(args)
+    p, vcfg = _load(args)
     info = VerifierInfo.from_config(vcfg)
-    arch = derive(params.draft, info, params_file=args.params, lines=P.lines_of(params))
-    files = R.render_files(params.draft, params.verifier.path, vcfg, params_file=args.params,
-                           lines=P.lines_of(params))
+    lines = params.lines_of(p)
+    arch = derive(p.draft, info, params_file=args.params, lines=lines)
+    files = formats.render_files(p.draft, p.verifier.path, vcfg, params_file=args.params,
+                                 lines=lines)
     print(f"params: {args.params} valid; verifier config {vcfg}")
     if not args.no_configs:
-        found = C.check_rendered(files, args.configs)
+        found = check.check_rendered(files, args.configs)
         print(f"derived configs in {args.configs}/: {'OK' if not found else 'STALE'}")
         problems += found
     for ckpt in args.checkpoint or []:
@@ -68,27 +71,27 @@ def cmd_check(args) -> int:
     if args.reference:
         problems += _reference(args, files, arch.verifier_num_layers)
     if not args.no_scan:
-        found = S.scan_constants(args.root, params, files, params_file=args.params)
+        found = scan.scan_constants(args.root, p, files, params_file=args.params)
         print("hand-written architecture and serving values: "
               f"{'none contradict params.yaml' if not found else len(found)}")
         problems += found
     if problems:
         print(f"\n{len(problems)} problem(s):", file=sys.stderr)
-        for p in problems:
-            print(f"  - {p}", file=sys.stderr)
-        return 1
+        for x in problems:
+            print(f"  - {x}", file=sys.stderr)
+        return EXIT_FOUND
     print("check: OK")
-    return 0
+    return EXIT_OK
 
 
 def cmd_plan(args) -> int:
     from eagle3pipe.tools import plan
 
-    params, vcfg = _load(args)
-    p = plan.build(params, vcfg, gpu=args.gpu, device_gib=args.device_gib,
-                   artifacts=args.artifacts)
-    print(json.dumps(p.to_dict(), indent=2) if args.json else plan.render(p))
-    return 1 if p.problems else 0
+    p, vcfg = _load(args)
+    built = plan.build(p, vcfg, gpu=args.gpu, device_gib=args.device_gib,
+                       artifacts=args.artifacts)
+    print(json.dumps(built.to_dict(), indent=2) if args.json else plan.render(built))
+    return EXIT_FOUND if built.problems else EXIT_OK
 
 
 def cmd_deps(args) -> int:
@@ -99,16 +102,14 @@ def cmd_deps(args) -> int:
         print(f"{args.dvc_yaml}: {line}")
     if diffs and not args.write:
         print("fix: run `eagle3pipe deps --write`", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FOUND
+    return EXIT_OK
 
 
 def _size(text: str) -> int:
-    """--max-bytes: store.parse_size, as argparse wants its errors."""
-    from eagle3pipe.data import store
-
+    """--max-bytes: units.parse_size, as argparse wants its errors."""
     try:
-        return store.parse_size(text)
+        return units.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -123,11 +124,10 @@ def cmd_gc(args) -> int:
           f"bytes left; {r['referenced']} keys referenced by dvc.lock, experiments or the "
           "workspace")
     if r["over_bound"]:
-        print(f"eagle3pipe gc: the referenced entries alone exceed --max-bytes "
-              f"{args.max_bytes:,}\n    fix: raise the bound, or drop old experiments "
-              "(`dvc exp remove`) and commits' outputs you no longer need", file=sys.stderr)
-        return 1
-    return 0
+        raise Error(f"the referenced entries alone exceed --max-bytes {args.max_bytes:,}",
+                    fix="raise the bound, or drop old experiments (`dvc exp remove`) and "
+                    "commits' outputs you no longer need")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,14 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dry-run", action="store_true")
     g.add_argument("--repo", default=".", help="the project (its git refs and DVC cache)")
     args = ap.parse_args(argv)
-    if args.cmd == "deps":
-        return cmd_deps(args)
     try:
-        return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan,
+        return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan, "deps": cmd_deps,
                 "gc": cmd_gc}[args.cmd](args)
     except Error as e:
-        print(f"eagle3pipe {args.cmd}: {e}", file=sys.stderr)
-        return 2
+        print(f"eagle3pipe {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
 
 
 if __name__ == "__main__":

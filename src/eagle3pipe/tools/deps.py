@@ -5,9 +5,10 @@ and the command that writes them into dvc.yaml.
     eagle3pipe deps --write    rewrite each stage's src/eagle3pipe/* deps from the closure
 
 dvc.yaml lists exactly these (a test asserts equality), so a code change reruns exactly the
-stages whose code changed. params.py, schema.py, errors.py and __init__.py are left out on purpose: they only
-validate or name an error type; the values a stage reads are tracked by DVC as params, key by
-key. The stage script is the `stages/<name>.py` its `cmd` runs.
+stages whose code changed. config/ (params, schema, view, dvcfile), errors.py and the packages'
+__init__.py are left out on purpose: they only validate, limit which keys a stage reads or name
+an error type; the values a stage reads are tracked by DVC as params, key by key. The stage
+script is the `stages/<name>.py` its `cmd` runs. No stage's closure reaches tools/.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-EXEMPT = {"src/eagle3pipe/config/params.py", "src/eagle3pipe/config/schema.py", "src/eagle3pipe/errors.py",
-          "src/eagle3pipe/__init__.py"}
+EXEMPT = {"src/eagle3pipe/config/params.py", "src/eagle3pipe/config/schema.py",
+          "src/eagle3pipe/config/view.py", "src/eagle3pipe/config/dvcfile.py",
+          "src/eagle3pipe/errors.py"}
 LIB = "src/eagle3pipe/"
 
 
@@ -39,7 +41,7 @@ def closure(script: str | Path, root: str | Path = ".") -> list[str]:
                     seen.add(f)
                     todo.append(f)
     return sorted(str(p.relative_to(root)) for p in seen
-                  if str(p.relative_to(root)) not in EXEMPT)
+                  if str(p.relative_to(root)) not in EXEMPT and p.name != "__init__.py")
 
 
 def script_of(cmd: str) -> str:

@@ -13,28 +13,17 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ruamel.yaml import YAML
-
+from eagle3pipe.config import dvcfile
 from eagle3pipe.config import params as P
-from eagle3pipe.stages.runner import declared_params
+from eagle3pipe.config.schema import Params
+from eagle3pipe.draft import formats
+from eagle3pipe.verifier.handle import find_config
 
 # verifier.embedded keys that change the verifier's config.json (the rest change only weights)
 VERIFIER_CONFIG_KEYS = {"tokenizer_vocab_size", "hidden_size", "num_hidden_layers",
                         "num_attention_heads", "num_key_value_heads", "head_dim",
                         "intermediate_size", "max_position_embeddings", "rope_theta",
                         "rms_norm_eps"}
-
-
-def load_stages(dvc_yaml: str | Path = "dvc.yaml") -> dict:
-    return YAML(typ="safe").load(Path(dvc_yaml).read_text())["stages"]
-
-
-def _outs(body: dict) -> list[str]:
-    out = []
-    for kind in ("outs", "metrics", "plots"):
-        for o in body.get(kind, []) or []:
-            out.append(next(iter(o)) if isinstance(o, dict) else o)
-    return out
 
 
 def _touches(dep: str, changed: set[str]) -> bool:
@@ -53,11 +42,9 @@ def _mutated(value):
     return f"{value}-changed"
 
 
-def changed_configs(params: P.Params, key: str, verifier_config: Path) -> set[str]:
+def changed_configs(params: Params, key: str, verifier_config: Path) -> set[str]:
     """Which configs/ files change when `key` (a draft.* or verifier.path key) changes."""
-    from eagle3pipe.draft import formats as render
-
-    base = render.render_files(params.draft, params.verifier.path, verifier_config)
+    base = formats.render_files(params.draft, params.verifier.path, verifier_config)
     section, leaf = key.split(".", 1)
     if section == "draft":
         value = getattr(params.draft, leaf)
@@ -77,26 +64,24 @@ def changed_configs(params: P.Params, key: str, verifier_config: Path) -> set[st
         else:
             new = _mutated(value)
         draft = dataclasses.replace(params.draft, **{leaf: new})
-        other = render.render_files(draft, params.verifier.path, verifier_config)
+        other = formats.render_files(draft, params.verifier.path, verifier_config)
     else:  # verifier.path: only the rendered verifier name_or_path
-        other = render.render_files(params.draft, "/elsewhere", verifier_config)
+        other = formats.render_files(params.draft, "/elsewhere", verifier_config)
     return {f"configs/{f}" for f in base if base[f] != other[f]}
 
 
 def invalidation_table(dvc_yaml: str | Path = "dvc.yaml", params_file: str | Path = "params.yaml",
                        verifier_config: Path | None = None) -> dict[str, list[str]]:
-    from eagle3pipe.draft import formats as render
-
-    stages = load_stages(dvc_yaml)
+    stages = dvcfile.stages(dvc_yaml)
     params = P.load(params_file)
-    verifier_config = verifier_config or render.default_verifier_config(params.verifier.path)
+    verifier_config = verifier_config or find_config(params.verifier.path)
     order = list(stages)
     table = {}
     for key in P.leaf_keys():
         if key.startswith("verifier.embedded.") and params.verifier.embedded is None:
             continue
         declared = [s for s in order if any(key == d or key.startswith(d + ".")
-                                            for d in declared_params(s, dvc_yaml))]
+                                            for d in dvcfile.declared_params(s, dvc_yaml))]
         ran: list[str] = []
         changed: set[str] = set()
         for s in order:  # dvc.yaml lists stages in dependency order
@@ -109,14 +94,14 @@ def invalidation_table(dvc_yaml: str | Path = "dvc.yaml", params_file: str | Pat
                 elif s == "verifier":
                     if key == "verifier.hash_mode" and params.verifier.path is None:
                         continue  # the embedded verifier's bytes do not depend on it
-                    changed |= set(_outs(stages[s])) - {"artifacts/verifier"}
+                    changed |= set(dvcfile.outputs(stages[s])) - {"artifacts/verifier"}
                     changed.add("artifacts/verifier/weights")  # everything but config.json
                     leaf = key.rsplit(".", 1)[-1]
                     if key == "verifier.path" or (key.startswith("verifier.embedded.")
                                                   and leaf in VERIFIER_CONFIG_KEYS):
                         changed.add("artifacts/verifier/config.json")
                 else:
-                    changed |= set(_outs(stages[s]))
+                    changed |= set(dvcfile.outputs(stages[s]))
         table[key] = ran
     return table
 
@@ -151,7 +136,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(table, indent=1))
     else:
-        print(markdown(table, list(load_stages(a.dvc_yaml))), end="")
+        print(markdown(table, list(dvcfile.stages(a.dvc_yaml))), end="")
 
 
 if __name__ == "__main__":

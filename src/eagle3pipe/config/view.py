@@ -1,0 +1,91 @@
+"""The params a stage may read: a view of the validated params that refuses every key dvc.yaml
+does not declare for the stage (so an undeclared read fails instead of producing a stale output),
+records what it read ($EAGLE3PIPE_PARAMS_TRACE, for the tests) and names a key's file and line
+for error messages.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+from typing import Any
+
+from eagle3pipe.config import dvcfile
+from eagle3pipe.config import params as P
+from eagle3pipe.errors import Error
+
+
+class UndeclaredParamError(Error, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+_READS: dict[str, set[str]] = {}
+
+
+def _trace_reads() -> None:
+    """$EAGLE3PIPE_PARAMS_TRACE: the keys each stage really read (tests check none is unread)."""
+    out = os.environ.get("EAGLE3PIPE_PARAMS_TRACE")
+    if out and _READS:
+        with open(out, "a") as fh:
+            for stage, keys in sorted(_READS.items()):
+                fh.write(json.dumps({"stage": stage, "keys": sorted(keys)}) + "\n")
+
+
+atexit.register(_trace_reads)
+
+
+class StageView:
+    """Attribute access into Params that raises for keys the stage did not declare."""
+
+    def __init__(self, obj: Any, stage: str, declared: frozenset[str], prefix: str = "",
+                 root: Any = None):
+        self._obj, self._stage, self._declared, self._prefix = obj, stage, declared, prefix
+        self._root = obj if root is None else root
+
+    def _allowed(self, key: str) -> bool:
+        return any(key == d or key.startswith(d + ".") for d in self._declared)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        key = self._prefix + name
+        value = getattr(self._obj, name)
+        if dataclasses.is_dataclass(value):
+            if self._allowed(key) or any(d.startswith(key + ".") for d in self._declared):
+                return StageView(value, self._stage, self._declared, key + ".", self._root)
+        elif self._allowed(key):
+            _READS.setdefault(self._stage, set()).add(key)
+            return value
+        raise UndeclaredParamError(
+            f"stage '{self._stage}' read params key '{key}', which dvc.yaml does not declare "
+            f"for it; add `- {key}` under stages.{self._stage}.params in dvc.yaml")
+
+    # the view's own names below must not be params keys (tests/test_params.py checks)
+    @property
+    def params_file(self) -> str:
+        """The params file this view was loaded from."""
+        return P.source_of(self._root)
+
+    @property
+    def key_lines(self) -> dict[str, int | None]:
+        """Line numbers of every loaded key (for error messages; reading them reads no value)."""
+        return getattr(self._root, "_lines", {})
+
+    def where(self, key: str) -> str:
+        """'params.yaml:LINE' for a dotted key, for error messages."""
+        line = self.key_lines.get(key)
+        return self.params_file + (f":{line}" if line else "")
+
+    def for_validation(self, section: str) -> Any:
+        """A whole section for a cross-check that can only refuse, never change an output (the
+        verifier stage checks the verifier against `draft` before building it). Such reads are
+        not inputs of the stage, so they are not recorded and need no declaration."""
+        return getattr(self._root, section)
+
+
+def for_stage(stage: str, params_file: str | os.PathLike = "params.yaml",
+              dvc_yaml: str | os.PathLike = "dvc.yaml") -> StageView:
+    """The params a DVC stage may read: validated, and limited to its declared keys."""
+    return StageView(P.load(params_file), stage, dvcfile.declared_params(stage, dvc_yaml))

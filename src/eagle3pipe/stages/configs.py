@@ -1,0 +1,17 @@
+"""The configs stage: every derived config under configs/ rendered from params.draft and the
+verifier's config.json (eagle3pipe.draft.formats); files whose bytes are unchanged are not
+touched, so a rerun that writes identical bytes invalidates nothing downstream."""
+from __future__ import annotations
+
+import logging
+
+from eagle3pipe.draft import formats
+
+
+def run(params, paths) -> None:
+    """The configs stage (eagle3pipe.stages.runner.main): params.draft + paths.verifier (its config.json)
+    -> every derived config under paths.out; files whose bytes are unchanged are not touched."""
+    states = formats.render_into(paths.out, params.draft, params.verifier.path, paths.verifier,
+                         params_file=params.params_file, lines=params.key_lines)
+    for path, state in states.items():
+        logging.getLogger(__name__).info("%s %s", path, state)

@@ -14,7 +14,9 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2
-for _p in (ROOT / "src", ROOT / "tests"):  # eagle3pipe (also installed editable), tests/pipeline.py
+# eagle3pipe (also installed editable); the repository root, for the package tests.helpers (the
+# test suite's DVC harness, tests/helpers/pipeline.py, which pipeline_bench times)
+for _p in (ROOT / "src", ROOT):
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 

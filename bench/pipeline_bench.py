@@ -1,5 +1,6 @@
-"""Pipeline benchmarks through real DVC in temporary git repos (tests/pipeline.py's helpers):
-cold repro per stage, no-op repro vs status, and a params-change rebuild per stage."""
+"""Pipeline benchmarks through real DVC in temporary git repos (the test suite's harness,
+tests/helpers/pipeline.py): cold repro per stage, no-op repro vs status, and a params-change
+rebuild per stage."""
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import pipeline  # tests/pipeline.py (common puts tests/ on sys.path)
 from common import interleave, log, rnd, timing_summary
+from tests.helpers import pipeline  # common puts the repository root on sys.path
 
 EVENT = re.compile(r"^(?:Running stage '(?P<run>[^']+)':"
                    r"|Stage '(?P<skip>[^']+)' didn't change, skipping"
@@ -83,9 +84,9 @@ def timed_repro(repo: Path, *args: str) -> dict:
     res["ran"] = [s for s, v in res["stages"].items() if v["status"] == "ran"]
     # cross-check with the run log: every stage that reads params logs itself when it runs
     # (a stage without params may not)
-    from eagle3pipe.tools import invalidation as graph
+    from eagle3pipe.config import dvcfile
 
-    with_params = {s for s, body in graph.load_stages(repo / "dvc.yaml").items()
+    with_params = {s for s, body in dvcfile.stages(repo / "dvc.yaml").items()
                    if body.get("params")}
     if not set(res["ran"]) & with_params <= set(ran) <= set(res["ran"]):
         res["warning"] = f"DVC's log says {res['ran']} ran, the run log says {sorted(ran)}"
@@ -94,7 +95,7 @@ def timed_repro(repo: Path, *args: str) -> dict:
 
 
 def cold_run(params_file: Path, work: Path, name: str) -> tuple[Path, dict]:
-    """A fresh repo (tests/pipeline.make_repo: the project's files + params_file, committed,
+    """A fresh repo (tests/helpers/pipeline.make_repo: the project's files + params_file, committed,
     no DVC cache, no run cache), then what `make repro` runs: `dvc repro` and `eagle3pipe
     check` on both exports. Per-stage times, the total and the smoke metrics."""
     log(f"{name}: cold repro of {params_file} in {work / name} (per stage below)")

@@ -23,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (ROOT, THREADS, cpu_meter, load_json, log, machine, now_iso,  # noqa: E402
                     random_verifier, rnd, set_threads, synthetic_samples)
+from tests.helpers.pipeline import MICRO_PARAMS, STAGES  # noqa: E402 (the repo root: common)
 
 SECTIONS = ("extract", "train", "dvc", "e2e", "scaling")
-STAGES = ("verifier", "configs", "dataset", "vocab", "extract", "train", "export", "smoke")
-MICRO_PARAMS = ROOT / "tests/micro/params.yaml"
 DEFAULT_PARAMS = ROOT / "params.yaml"
 
 # what each mode measures; the targets are the issue's

@@ -1,4 +1,5 @@
-"""Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once."""
+"""Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once. (The
+shared helpers that are not fixtures: the package tests/helpers/.)"""
 from __future__ import annotations
 
 import os
@@ -8,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from helpers.micro import MICRO_EMBEDDED
 
-MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, train_steps=30, batch_size=4, seq_len=64,
-                      learning_rate=5e-3, seed=0, threads=2)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(autouse=True)
@@ -46,9 +42,3 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
     return dst
 
 
-def engine_settings(**override) -> dict:
-    """The micro pipeline's vLLM engine settings (tests/micro/params.yaml `vllm:`)."""
-    from eagle3pipe.engines import engine
-    from eagle3pipe.config import params as P
-
-    return {**engine.settings_of(P.load(ROOT / "tests/micro/params.yaml").vllm), **override}

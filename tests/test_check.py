@@ -22,7 +22,8 @@ from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.stages.export import TORCH_DTYPE
 from eagle3pipe.verifier.handle import VerifierInfo
 
-from conftest import ROOT
+from helpers.malformed import CORRUPT
+from helpers.micro import ROOT
 
 KIMI = ROOT / "examples/kimi-k2.5"
 
@@ -308,14 +309,6 @@ def rewrite(ck: Path, **change) -> None:
               str(ck / "model.safetensors"))
 
 
-def _set(index, value):
-    def f(t):
-        t = t.clone()
-        t[index] = value
-        return t
-    return f
-
-
 def test_non_finite_in_a_second_file_names_that_file(tmp_path, monkeypatch):
     """A sharded checkpoint: the NaN's file is named; tensors are read in slices (a slice size
     of one row here) so the last row's NaN is found."""
@@ -343,195 +336,8 @@ def test_finite_checkpoint_and_integer_maps_pass(tmp_path):
     assert rc == 0 and "check: OK" in out, err
 
 
-def _edit(fn):
-    """A damage that edits the tensors of model.safetensors ({name: tensor}, in place)."""
-    def damage(ck: Path) -> None:
-        from safetensors.torch import load_file
-        t = load_file(str(ck / "model.safetensors"))
-        fn(t)
-        save_file(t, str(ck / "model.safetensors"))
-    return damage
-
-
-def _tensor(name, change):
-    return _edit(lambda t: t.__setitem__(name, change(t[name])))
-
-
-def _header(mutate):
-    """A damage that rewrites model.safetensors' JSON header (data bytes kept)."""
-    def damage(ck: Path) -> None:
-        f = ck / "model.safetensors"
-        b = f.read_bytes()
-        n = int.from_bytes(b[:8], "little")
-        h = json.dumps(mutate(json.loads(b[8:8 + n]))).encode()
-        f.write_bytes(len(h).to_bytes(8, "little") + h + b[8 + n:])
-    return damage
-
-
-def _entry(name, **values):
-    return _header(lambda h: {**h, name: {**h[name], **values}})
-
-
-def _file(fn, name="model.safetensors"):
-    def damage(ck: Path) -> None:
-        f = ck / name
-        f.write_bytes(fn(f.read_bytes()))
-    return damage
-
-
-def _config(**values):
-    def damage(ck: Path) -> None:
-        cfg = json.loads((ck / "config.json").read_text())
-        for k, v in values.items():
-            if v is None:
-                del cfg[k]
-            else:
-                cfg[k] = v
-        (ck / "config.json").write_text(json.dumps(cfg, indent=1))
-    return damage
-
-
-def _layer_config(**values):
-    """A damage to the speculators layout's nested transformer_layer_config."""
-    def damage(ck: Path) -> None:
-        cfg = json.loads((ck / "config.json").read_text())
-        cfg["transformer_layer_config"].update(values)
-        (ck / "config.json").write_text(json.dumps(cfg, indent=1))
-    return damage
-
-
-def _shards(ck: Path) -> None:
-    from safetensors.torch import load_file
-    t = load_file(str(ck / "model.safetensors"))
-    save_file({"norm.weight": t["norm.weight"]}, str(ck / "model-2.safetensors"))
-
-
-def _dir_shard(ck: Path) -> None:
-    (ck / "model-2.safetensors").mkdir()
-
-
-def _no_dir(ck: Path) -> None:
-    import shutil
-    shutil.rmtree(ck)
-
-
-NAN, INF = float("nan"), float("inf")
-Q, DOWN = "midlayer.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"
-# (id, layout, weights' dtype, damage, what the report must say: {st} model.safetensors, {ck}
-# the checkpoint, {cfg} its config.json, {params} params.yaml). params.yaml's draft for the
-# verifier in tests/data: H 256, 4 heads, 2 KV heads, head_dim 128, ff 688, draft vocab 1024.
-CORRUPT = [
-    ("nan_everywhere_in_fc", "vllm", "bfloat16", _tensor("fc.weight", lambda t: t + NAN),
-     "{st}: tensor fc.weight has 196608 non-finite values of 196608 (196608 NaN, 0 Inf)"),
-    ("inf_in_lm_head", "vllm", "bfloat16", _tensor("lm_head.weight", _set((3, 7), INF)),
-     "{st}: tensor lm_head.weight has 1 non-finite values of 262144 (0 NaN, 1 Inf)"),
-    ("minus_inf_in_down_proj", "speculators", "bfloat16",
-     _tensor(DOWN, _set((0, 0), -INF)), f"{{st}}: tensor {DOWN} has 1 non-finite values of "
-     "176128 (0 NaN, 1 Inf)"),
-    ("nan_in_norm", "speculators", "bfloat16", _tensor("norm.weight", _set(5, NAN)),
-     "{st}: tensor norm.weight has 1 non-finite values of 256 (1 NaN, 0 Inf)"),
-    ("nan_in_last_q_proj_row", "vllm", "bfloat16", _tensor(Q, _set((-1, -1), NAN)),
-     f"{{st}}: tensor {Q} has 1 non-finite values of 262144 (1 NaN, 0 Inf)"),
-    ("nan_and_inf_in_float32_k_proj", "vllm", "float32",
-     _tensor("midlayer.self_attn.k_proj.weight", lambda t: _set(1, INF)(_set(0, NAN)(t))),
-     "{st}: tensor midlayer.self_attn.k_proj.weight has 1024 non-finite values of 131072 "
-     "(512 NaN, 512 Inf)"),
-    ("inf_in_float16_v_proj", "vllm", "float16",
-     _tensor("midlayer.self_attn.v_proj.weight", _set((2, 3), INF)),
-     "{st}: tensor midlayer.self_attn.v_proj.weight has 1 non-finite values of 131072"),
-    ("float32_norm_in_bf16_draft", "vllm", "bfloat16", _tensor("norm.weight", lambda t: t.float()),
-     "{ck} (vllm layout): tensor norm.weight has dtype F32, expected BF16"),
-    ("float_d2t", "vllm", "bfloat16", _tensor("d2t", lambda t: t.float()),
-     "{ck} (vllm layout): tensor d2t has dtype F32, expected I64"),
-    ("int64_t2d", "speculators", "bfloat16", _tensor("t2d", lambda t: t.long()),
-     "{ck} (speculators layout): tensor t2d has dtype I64, expected BOOL"),
-    ("fc_for_two_aux_layers", "vllm", "bfloat16", _tensor("fc.weight", lambda t: t[:, :512].contiguous()),
-     "{ck} (vllm layout): tensor fc.weight has shape [256, 512] but its config.json needs "
-     "[256, 768] (fc input = 3 aux layers x target hidden 256)"),
-    ("q_proj_of_head_dim_112", "vllm", "bfloat16", _tensor(Q, lambda t: t[:448]),
-     f"{{ck}} (vllm layout): tensor {Q} has shape [448, 512] but its config.json needs "
-     "[512, 512] (head_dim=128 x num_attention_heads=4 = 512)"),
-    ("lm_head_of_another_vocab", "vllm", "bfloat16", _tensor("lm_head.weight", lambda t: t[:1000]),
-     "{ck} (vllm layout): tensor lm_head.weight has shape [1000, 256] but its config.json needs "
-     "[1024, 256]"),
-    ("short_d2t", "vllm", "bfloat16", _tensor("d2t", lambda t: t[:10].clone()),
-     "{ck} (vllm layout): tensor d2t has shape [10] but its config.json needs [1024]"),
-    ("scalar_norm", "vllm", "bfloat16", _tensor("norm.weight", lambda t: t[0].clone()),
-     "{ck} (vllm layout): tensor norm.weight has shape [] but its config.json needs [256]"),
-    ("missing_fc", "vllm", "bfloat16", _edit(lambda t: t.pop("fc.weight")),
-     "{ck} (vllm layout): tensor fc.weight missing (its config.json needs [256, 768] BF16)"),
-    ("missing_lm_head", "speculators", "bfloat16", _edit(lambda t: t.pop("lm_head.weight")),
-     "{ck} (speculators layout): tensor lm_head.weight missing"),
-    ("missing_d2t", "vllm", "bfloat16", _edit(lambda t: t.pop("d2t")),
-     "{ck} (vllm layout): tensor d2t missing"),
-    ("extra_tensor", "vllm", "bfloat16",
-     _edit(lambda t: t.update({"verifier_lm_head.weight": torch.zeros(2, 2)})),
-     "{ck} (vllm layout): unexpected tensor verifier_lm_head.weight"),
-    ("other_layout_name", "vllm", "bfloat16",
-     _edit(lambda t: t.update({"layers.0.hidden_norm.weight": t["norm.weight"].clone()})),
-     "{ck} (vllm layout): unexpected tensor layers.0.hidden_norm.weight (a speculators-layout "
-     "name in a vllm-layout checkpoint)"),
-    ("d2t_off_the_vocab", "vllm", "bfloat16", _tensor("d2t", lambda t: t + 10 ** 6),
-     "{ck}: d2t is not consistent with t2d"),
-    ("truncated_file", "vllm", "bfloat16", _file(lambda b: b[: len(b) // 2]),
-     "{st}: truncated: its header puts tensor data up to byte"),
-    ("trailing_bytes", "vllm", "bfloat16", _file(lambda b: b + bytes(16)),
-     "{st}: 16 bytes after the last tensor's data"),
-    ("header_not_json", "vllm", "bfloat16", _file(lambda b: b[:8] + b"{not json" + b[17:]),
-     "{st}: not a safetensors file (header: Expecting property name"),
-    ("shorter_than_8_bytes", "vllm", "bfloat16", _file(lambda b: b[:4]),
-     "{st}: not a safetensors file (shorter than 8 bytes)"),
-    ("empty_file", "vllm", "bfloat16", _file(lambda b: b""),
-     "{st}: not a safetensors file (shorter than 8 bytes)"),
-    ("header_length_beyond_the_file", "vllm", "bfloat16",
-     _file(lambda b: (2 ** 40).to_bytes(8, "little") + b[8:]),
-     "{st}: not a safetensors file (header length 1099511627776"),
-    ("header_not_utf8", "vllm", "bfloat16", _file(lambda b: b[:10] + b"\xff" + b[11:]),
-     "{st}: not a safetensors file (header: not UTF-8 at byte 10)"),
-    ("header_an_array", "vllm", "bfloat16", _header(lambda h: [h]),
-     "{st}: not a safetensors file (header: a JSON array, not an object)"),
-    ("header_unknown_dtype", "vllm", "bfloat16", _entry("norm.weight", dtype="X9"),
-     "{st}: not a safetensors file (header: tensor norm.weight: dtype 'X9' is not one of"),
-    ("header_shape_not_integers", "vllm", "bfloat16", _entry("norm.weight", shape=[NAN]),
-     "{st}: not a safetensors file (header: tensor norm.weight: shape [NaN] is not a list"),
-    ("header_shape_vs_offsets", "vllm", "bfloat16", _entry("norm.weight", shape=[512]),
-     "{st}: not a safetensors file (header: tensor norm.weight: data_offsets"),
-    ("header_negative_offsets", "vllm", "bfloat16", _entry("norm.weight", data_offsets=[-2, 510]),
-     "{st}: not a safetensors file (header: tensor norm.weight: data_offsets [-2, 510] are not"),
-    ("header_overlapping_tensors", "vllm", "bfloat16",
-     _header(lambda h: {**h, "norm.weight": {**h["norm.weight"], "data_offsets":
-                                             h["midlayer.hidden_norm.weight"]["data_offsets"]}}),
-     "{st}: not a safetensors file (header: tensor norm.weight: its data starts at byte 925696 "
-     "of the data section, the previous tensor's ends at 926208 (a gap or an overlap))"),
-    ("header_metadata_not_strings", "vllm", "bfloat16",
-     _header(lambda h: {**h, "__metadata__": {"format": 5}}),
-     "{st}: not a safetensors file (header: __metadata__ {{\"format\": 5}} is not a map"),
-    ("no_safetensors_file", "vllm", "bfloat16", lambda ck: (ck / "model.safetensors").unlink(),
-     "{ck}: no *.safetensors files"),
-    ("tensor_in_two_shards", "vllm", "bfloat16", _shards,
-     "{ck}/model.safetensors: tensor norm.weight is also in {ck}/model-2.safetensors"),
-    ("shard_is_a_directory", "vllm", "bfloat16", _dir_shard, "{ck}/model-2.safetensors: not a file"),
-    ("config_missing", "vllm", "bfloat16", lambda ck: (ck / "config.json").unlink(),
-     "{cfg}: config not found"),
-    ("config_not_json", "vllm", "bfloat16",
-     _file(lambda b: b'{\n  "head_dim": 128,\n  oops\n}\n', "config.json"),
-     "{cfg}:3: invalid JSON"),
-    ("config_not_utf8", "vllm", "bfloat16", _file(lambda b: b[:20] + b"\xe9" + b[20:], "config.json"),
-     "{cfg}:1: not UTF-8 text (byte 0xe9 at offset 20"),
-    ("config_an_array", "vllm", "bfloat16", _file(lambda b: b"[" + b + b"]", "config.json"),
-     "{cfg}: expected a JSON object, got a JSON array"),
-    ("config_nan_eps", "vllm", "bfloat16", _config(rms_norm_eps=NAN),
-     "{cfg}:32: NaN is not JSON"),
-    ("config_without_head_dim", "vllm", "bfloat16", _config(head_dim=None),
-     "{cfg}: missing keys ['head_dim']"),
-    ("config_head_dim_a_string", "speculators", "bfloat16", _layer_config(head_dim="128"),
-     "{cfg}: transformer_layer_config.head_dim is '128', not an integer"),
-    ("config_head_dim_zero", "vllm", "bfloat16", _config(head_dim=0),
-     "{cfg}: head_dim = 0 must be a positive integer"),
-    ("config_head_dim_64_params_128", "vllm", "bfloat16", _config(head_dim=64),
-     "{cfg}: head_dim = 64 but {params} gives 128"),
-    ("checkpoint_dir_missing", "vllm", "bfloat16", _no_dir, "{ck}: not a directory"),
-]
+# malformed draft checkpoints: the cases (CORRUPT, damages to a good checkpoint) are
+# helpers/malformed.py's
 
 
 def _tree(root: Path) -> dict:

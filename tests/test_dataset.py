@@ -13,9 +13,13 @@ from pathlib import Path
 import pytest
 
 from eagle3pipe.stages import dataset
-from eagle3pipe.stages.dataset import REASONS, BadInputError, DatasetError
+from eagle3pipe.data import prompts as prompt_src
+from eagle3pipe.data.prompts import REASONS, BadInputError, PromptsError
+from eagle3pipe.stages.dataset import DatasetError
 
-from conftest import engine_settings
+from helpers.malformed import (GOOD, GOOD_LINE, MALFORMED_JSONL, MALFORMED_JSONL_FILES,
+                               MALFORMED_SAMPLES, SAMPLE, USER)
+from helpers.micro import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 END = "<|end|>"
@@ -59,7 +63,7 @@ def check_masks(samples, tokenizer):
         assert masked == s["messages"][-1]["content"] + END
         assert ids[-1] == tokenizer.convert_tokens_to_ids(END)
         assert ids[-2] != ids[-1]  # the closing token is never doubled
-        assert ids[:n_prompt] == dataset.template_ids(tokenizer, s["messages"][:-1],
+        assert ids[:n_prompt] == prompt_src.template_ids(tokenizer, s["messages"][:-1],
                                                       add_generation_prompt=True)
 
 
@@ -128,8 +132,6 @@ def test_reply_closed_by_the_verifier_keeps_a_single_end(stdlib_run, micro_verif
 # ---------------------------------------------------------------------------------------------
 # JSONL input
 
-GOOD = {"messages": [{"role": "user", "content": "def add(a, b):\n    return a + b"}]}
-
 
 def bad_lines(tokenizer) -> dict[str, str]:
     """One line per rejection reason (micro limits: max_seq_len 96, max_prompt_tokens 40)."""
@@ -160,7 +162,7 @@ def test_every_bad_line_kind_is_an_error_naming_file_and_line(tokenizer, tmp_pat
     for reason, text in bads.items():
         f = write(tmp_path / f"{reason}.jsonl", [json.dumps(GOOD), "", text])
         with pytest.raises(BadInputError) as e:
-            dataset.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"), tokenizer,
+            prompt_src.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"), tokenizer,
                                   progress=False)
         assert e.value.reason == reason
         assert str(e.value).startswith(f"{f}:3: {reason}:")  # blank line 2 still counts
@@ -210,77 +212,8 @@ def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Malformed JSONL through the stages' own runner (eagle3pipe.stages.runner.main, in this process): each
-# names file:line, the reason and the fix, exits 2 with no traceback, and writes nothing
-
-
-def _msgs(*messages) -> bytes:
-    return json.dumps({"messages": list(messages)}).encode()
-
-
-USER = {"role": "user", "content": "x"}
-# (id, the bad line's bytes: line 3 of the file, after a good line and a blank one, reason,
-# what the message says after "FILE:3: REASON: "); micro params: max_seq_len 128, prompt 48
-MALFORMED_JSONL = [
-    ("truncated_object", _msgs(USER)[:-2], "malformed_json", "not valid JSON: Expecting"),
-    ("not_utf8", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "malformed_json",
-     "not UTF-8 (invalid continuation byte: byte 0xe9 at byte 47)"),
-    ("utf16", '{"messages": []}'.encode("utf-16-le"), "malformed_json", "not valid JSON"),
-    ("bom_on_line_3", b"\xef\xbb\xbf" + _msgs(USER), "malformed_json",
-     "not valid JSON: Unexpected UTF-8 BOM"),
-    ("two_objects", _msgs(USER) + b" " + _msgs(USER), "malformed_json",
-     "not valid JSON: Extra data"),
-    ("python_dict", b"{'messages': []}", "malformed_json",
-     "not valid JSON: Expecting property name enclosed in double quotes at column 2"),
-    ("trailing_comma", b'{"messages": [],}', "malformed_json",
-     "not valid JSON: Expecting property name enclosed in double quotes at column 17"),
-    ("nested_too_deeply", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-     "malformed_json", "not valid JSON: nested too deeply to read"),
-    ("integer_of_5001_digits", b'{"messages": [], "n": 1' + b"0" * 5000 + b"}",
-     "malformed_json", "not valid JSON: Exceeds the limit (4300 digits)"),
-    ("json_array", json.dumps([USER]).encode(), "missing_messages",
-     'the line is a JSON array, not an object {"messages": [...]}'),
-    ("json_string", b'"hello"', "missing_messages", "the line is a JSON string"),
-    ("json_null", b"null", "missing_messages", "the line is a JSON null"),
-    ("json_number", b"42", "missing_messages", "the line is a JSON number"),
-    ("no_messages_key", json.dumps({"conversation": [USER]}).encode(), "missing_messages",
-     "no \"messages\" key (got ['conversation'])"),
-    ("messages_an_object", json.dumps({"messages": USER}).encode(), "missing_messages",
-     '"messages" must be a list, got a JSON object'),
-    ("messages_a_string", json.dumps({"messages": "hi"}).encode(), "missing_messages",
-     '"messages" must be a list, got a JSON string'),
-    ("empty_messages", _msgs(), "empty_conversation", '"messages" is empty'),
-    ("message_a_string", _msgs("hi"), "bad_message", 'messages[0] is "hi", not an object'),
-    ("message_null", _msgs(USER, None), "bad_message", "messages[1] is null, not an object"),
-    ("message_without_role", _msgs({"content": "x"}), "bad_message",
-     'messages[0] has no "role"'),
-    ("message_without_content", _msgs({"role": "user"}), "bad_message",
-     'messages[0] has no "content"'),
-    ("role_a_number", _msgs({"role": 1, "content": "x"}), "bad_message",
-     "messages[0].role is 1, not a string"),
-    ("role_tool", _msgs(USER, {"role": "tool", "content": "x"}), "bad_message",
-     "messages[1].role is 'tool', not one of system, user, assistant"),
-    ("role_capitalised", _msgs({"role": "User", "content": "x"}), "bad_message",
-     "messages[0].role is 'User', not one of"),
-    ("content_a_number", _msgs({"role": "user", "content": 5}), "bad_message",
-     "messages[0].content is 5, not a string"),
-    ("content_parts_list", _msgs({"role": "user", "content": [{"type": "text", "text": "x"}]}),
-     "bad_message", 'messages[0].content is [{"type": "text", "text": "x"}], not a string'),
-    ("content_null", _msgs({"role": "user", "content": None}), "bad_message",
-     "messages[0].content is null, not a string"),
-    ("content_lone_surrogate", b'{"messages": [{"role": "user", "content": "a\\udc80b"}]}',
-     "bad_message", "messages[0].content is not valid Unicode (a lone surrogate '\\udc80' at "
-     "character 1)"),
-    ("only_a_system_turn", _msgs({"role": "system", "content": "be brief"}), "no_user_turn",
-     "no user turn before the first assistant turn"),
-    ("assistant_first", _msgs({"role": "assistant", "content": "hi"}, USER), "no_user_turn",
-     "no user turn before the first assistant turn"),
-    ("conversation_too_long", _msgs(USER, {"role": "assistant", "content": "x = 1\n" * 200}),
-     "too_long", "the conversation is"),
-    ("prompt_too_long", _msgs({"role": "system", "content": "import os\n" * 10},
-                              {"role": "user", "content": "go"}), "prompt_too_long",
-     "the turns before the last user turn alone exceed dataset.max_prompt_tokens (48)"),
-]
-GOOD_LINE = json.dumps(GOOD).encode()
+# names file:line, the reason and the fix, exits 2 with no traceback, and writes nothing (the
+# cases, MALFORMED_JSONL and MALFORMED_JSONL_FILES: helpers/malformed.py)
 
 
 def run_stage(name, run, paths: dict, capsys, tmp_path, **params) -> tuple[int, str]:
@@ -334,23 +267,12 @@ def test_malformed_jsonl_lines_are_skipped_by_reason(tokenizer, tmp_path):
 
     f = tmp_path / "in.jsonl"
     f.write_bytes(b"\n".join([GOOD_LINE] + [c[1] for c in MALFORMED_JSONL]) + b"\n")
-    prompts, report = dataset.jsonl_prompts(
+    prompts, report = prompt_src.jsonl_prompts(
         f, cfg(source=str(f), num_samples=100, max_seq_len=128, max_prompt_tokens=48),
         tokenizer, progress=False)
     assert [p.id for p in prompts] == ["jsonl-0000001"]
     want = collections.Counter(c[2] for c in MALFORMED_JSONL)
     assert report.skipped_by_reason == {r: want[r] for r in REASONS}
-
-
-# (id, the file's bytes, what the message says after "dataset: error: ")
-MALFORMED_JSONL_FILES = [
-    ("truncated_last_line", GOOD_LINE + b"\n" + GOOD_LINE + b'\n{"messages": [{"role": "us',
-     "{src}:3: malformed_json: not valid JSON: Unterminated string"),
-    ("empty_file", b"", "{src}: no conversation in it (empty, or only blank lines)"),
-    ("only_blank_lines", b"\n  \n\t\n\n", "{src}: no conversation in it"),
-    ("source_not_found", None, "{params}:{line}: dataset.source: {src} not found"),
-    ("source_a_directory", "dir", "{params}:{line}: dataset.source: {src} is not a file"),
-]
 
 
 @pytest.mark.parametrize("case", MALFORMED_JSONL_FILES, ids=[c[0] for c in MALFORMED_JSONL_FILES])
@@ -369,7 +291,7 @@ def test_tolerated_jsonl_variants(tokenizer, tmp_path):
     extra = json.dumps({"id": "mine", "messages": [{**USER, "name": "bob"}], "meta": {"a": 1}})
     f = tmp_path / "in.jsonl"
     f.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + b"\r\n \t\r\n\r\n" + extra.encode() + b"\r\n")
-    prompts, report = dataset.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"),
+    prompts, report = prompt_src.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"),
                                             tokenizer, progress=False)
     assert [p.id for p in prompts] == ["jsonl-0000001", "jsonl-0000004"]
     assert prompts[1].messages == [USER] and report.read == 2
@@ -392,41 +314,8 @@ def test_malformed_jsonl_in_the_stage_process(micro_verifier, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Malformed sample files (artifacts/dataset/*.jsonl, written by the dataset stage, read by vocab
-# and extract through samples.read) through the vocab stage's runner
-
-SAMPLE = {"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}
-
-
-def _sample(**values) -> bytes:
-    return json.dumps({**SAMPLE, **values}).encode()
-
-
-IDS_MSG = "input_ids must be a non-empty list of integers"
-MASK_MSG = "loss_mask must be a list of 0/1 with one entry per input id (2)"
-# (id, the bad line: line 2, after a good sample, what the message says after "FILE:2: ")
-MALFORMED_SAMPLES = [
-    ("not_utf8", b'{"id": "caf\xe9", "input_ids": [1], "loss_mask": [1]}',
-     "invalid JSON line (not UTF-8 (invalid continuation byte: byte 0xe9 at byte 12))"),
-    ("truncated", _sample()[:-5], "invalid JSON line (not valid JSON: Expecting"),
-    ("bom", b"\xef\xbb\xbf" + _sample(), "invalid JSON line (not valid JSON: Unexpected UTF-8 BOM"),
-    ("nested_too_deeply", b"[" * 100_000 + b"]" * 100_000,
-     "invalid JSON line (not valid JSON: nested too deeply to read)"),
-    ("json_array", b"[1, 2]", "expected a JSON object, got a JSON array"),
-    ("missing_loss_mask", json.dumps({"id": "b", "input_ids": [1]}).encode(),
-     "missing key(s) ['loss_mask']"),
-    ("id_a_number", _sample(id=7), "id must be a non-empty string, got 7"),
-    ("empty_input_ids", _sample(input_ids=[], loss_mask=[]), IDS_MSG),
-    ("float_token_id", _sample(input_ids=[1.0, 2]), IDS_MSG),
-    ("bool_token_id", _sample(input_ids=[True, 2]), IDS_MSG),
-    ("negative_token_id", _sample(input_ids=[-1, 2]),
-     "token id -1 outside the verifier vocabulary [0, 512)"),
-    ("token_id_beyond_vocab", _sample(input_ids=[1, 512]),
-     "token id 512 outside the verifier vocabulary [0, 512)"),
-    ("loss_mask_too_short", _sample(loss_mask=[1]), MASK_MSG),
-    ("loss_mask_of_2", _sample(loss_mask=[0, 2]), MASK_MSG),
-    ("loss_mask_of_booleans", _sample(loss_mask=[False, True]), MASK_MSG),
-    ("loss_mask_null", _sample(loss_mask=None), MASK_MSG),
-]
+# and extract through samples.read) through the vocab stage's runner (the cases,
+# MALFORMED_SAMPLES: helpers/malformed.py)
 
 
 @pytest.mark.parametrize("case", MALFORMED_SAMPLES, ids=[c[0] for c in MALFORMED_SAMPLES])
@@ -450,7 +339,7 @@ def test_settings_that_cannot_fit_are_refused(micro_verifier, tmp_path):
     with pytest.raises(DatasetError, match="max_position_embeddings"):
         dataset.build(cfg(max_seq_len=4096), engine_settings(), micro_verifier, tmp_path / "o",
                       progress=False)
-    with pytest.raises(DatasetError, match="not found"):
+    with pytest.raises(PromptsError, match="not found"):
         dataset.build(cfg(source=str(tmp_path / "missing.jsonl")), engine_settings(), micro_verifier,
                       tmp_path / "o", progress=False)
 
@@ -459,8 +348,8 @@ def test_assemble_closed_and_cut_replies(tokenizer):
     end = tokenizer.convert_tokens_to_ids(END)
     assert dataset.closing_token_id(tokenizer) == end
     msgs = [{"role": "user", "content": "def f():"}]
-    p = dataset.Prompt("x", msgs, dataset.template_ids(tokenizer, msgs,
-                                                       add_generation_prompt=True))
+    p = prompt_src.Prompt(prompt_src.template_ids(tokenizer, msgs, add_generation_prompt=True),
+                          "x", msgs)
     body = tokenizer("x = f(1)", add_special_tokens=False)["input_ids"]
     closed = dataset.assemble(p, body + [end], tokenizer, end)
     cut = dataset.assemble(p, body, tokenizer, end)
@@ -471,7 +360,7 @@ def test_assemble_closed_and_cut_replies(tokenizer):
     # here the sample equals the chat template's tokenization of its messages; a reply that
     # starts with whitespace would not (BPE merges the generation prompt's "\n" with it), and
     # input_ids keep the tokens the verifier really saw and produced
-    assert closed["input_ids"] == dataset.template_ids(tokenizer, closed["messages"],
+    assert closed["input_ids"] == prompt_src.template_ids(tokenizer, closed["messages"],
                                                        add_generation_prompt=False)
 
 

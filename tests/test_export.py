@@ -20,8 +20,7 @@ from eagle3pipe.stages import train as trainmod
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.verifier.handle import read_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import MICRO_TRAIN, draft_arch, make_inputs, write_draft_config  # noqa: E402
+from helpers.training import MICRO_TRAIN, draft_arch, make_inputs, write_draft_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,7 +193,7 @@ def test_configs_that_disagree_are_rejected(exported, tmp_path):
 
 
 def test_stage_script(exported, tmp_path):
-    from eagle3pipe.errors import EXIT_CODE
+    from eagle3pipe.errors import EXIT_INPUT as EXIT_CODE
 
     root = exported.root
 

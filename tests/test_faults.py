@@ -50,9 +50,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import (FAULT_TAG, MICRO_PARAMS, ROOT, STAGES, digest, digests, env, get_param,
-                      kill_group, leftovers, make_repo, set_param, sh, stage_outputs, start,
-                      tagged, wait_for)
+from helpers.pipeline import (FAULT_TAG, MICRO_PARAMS, ROOT, STAGES, digest, digests, env,
+                              get_param, kill_group, leftovers, make_repo, set_param, sh,
+                              stage_outputs, start, tagged, wait_for)
 
 POINTS = ("start", "mid", "publish")
 START_DELAY = 0.25

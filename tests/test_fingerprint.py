@@ -6,67 +6,11 @@ import json
 import os
 import struct
 import time
-from pathlib import Path
 
 import pytest
 
 from eagle3pipe.verifier import fingerprint as fp
-
-GiB = 1 << 30
-
-
-def write_safetensors_header(path: Path, tensors: dict[str, tuple[str, list[int]]],
-                             metadata: dict | None = None) -> int:
-    """Writes a valid safetensors header for `tensors` {name: (dtype, shape)} and extends the
-    file (sparsely) to the size the header describes. Returns the file size."""
-    itemsize = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "F8_E4M3": 1}
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for name, (dtype, shape) in sorted(tensors.items()):
-        n = itemsize[dtype]
-        for s in shape:
-            n *= s
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-    size = 8 + len(raw) + offset
-    os.truncate(path, size)
-    return size
-
-
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-          "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 8,
-          "num_key_value_heads": 4, "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2,
-          "torch_dtype": "bfloat16"}
-
-
-def make_checkpoint(root: Path, shards: int = 4, shard_gib: float = 5.0,
-                    config: dict | None = None) -> Path:
-    """A Hugging Face-shaped checkpoint: config, tokenizer files, index, `shards` sparse
-    safetensors shards of `shard_gib` GiB each, plus things that must not be copied."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config or CONFIG, indent=2))
-    (root / "generation_config.json").write_text('{"do_sample": false}\n')
-    (root / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}\n')
-    (root / "tokenizer_config.json").write_text('{"eos_token": "</s>"}\n')
-    (root / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    (root / "README.md").write_text("a model card\n")
-    weight_map = {}
-    rows = int(shard_gib * GiB) // (2 * 4096)
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensor = f"model.layers.{i}.mlp.weight"
-        write_safetensors_header(root / name, {tensor: ("BF16", [rows, 4096]),
-                                               f"model.layers.{i}.input_layernorm.weight":
-                                                   ("BF16", [4096])})
-        weight_map[tensor] = name
-    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (root / ".cache").mkdir()
-    (root / ".cache" / "lock").write_text("ignored")
-    return root
+from helpers.sparse import CONFIG, GiB, make_checkpoint, write_safetensors_header
 
 
 def test_sparse_20gb_checkpoint_is_fingerprinted_in_seconds(tmp_path):

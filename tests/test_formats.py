@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-import drafts
-from conftest import ROOT
+from helpers import drafts
+from helpers.micro import ROOT
 from eagle3pipe.draft import formats as F
 from eagle3pipe.config import params as P
 from eagle3pipe.draft.arch import derive

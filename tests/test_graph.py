@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from eagle3pipe.tools import deps
 from eagle3pipe.tools import invalidation as graph
-from eagle3pipe.stages import runner as stage
+from eagle3pipe.config import dvcfile
 
-from conftest import ROOT
+from helpers.micro import ROOT
 
 
 def test_each_stage_lists_exactly_its_script_and_the_modules_it_imports():
     """`eagle3pipe deps --write` generates these; a stale extra reruns a stage for nothing, a
     missing one lets a code change go unnoticed."""
-    stages = graph.load_stages(ROOT / "dvc.yaml")
+    stages = dvcfile.stages(ROOT / "dvc.yaml")
     for name, body in stages.items():
         listed = {d if isinstance(d, str) else next(iter(d)) for d in body["deps"]}
         script = f"stages/{name}.py"
@@ -38,8 +38,8 @@ def test_declared_params_are_schema_keys():
     from eagle3pipe.config import params as P
 
     leaves = P.leaf_keys()
-    for name in graph.load_stages(ROOT / "dvc.yaml"):
-        for key in stage.declared_params(name, ROOT / "dvc.yaml"):
+    for name in dvcfile.stages(ROOT / "dvc.yaml"):
+        for key in dvcfile.declared_params(name, ROOT / "dvc.yaml"):
             assert any(k == key or k.startswith(key + ".") for k in leaves), \
                 f"stage {name} declares {key}, which params.py does not define"
 
@@ -68,6 +68,6 @@ def test_invalidation_table_rows():
 def test_docs_show_the_generated_table():
     """docs/invalidation.md holds `python -m eagle3pipe.tools.invalidation`'s output as it is now."""
     t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "params.yaml")
-    table = graph.markdown(t, list(graph.load_stages(ROOT / "dvc.yaml")))
+    table = graph.markdown(t, list(dvcfile.stages(ROOT / "dvc.yaml")))
     assert table in (ROOT / "docs/invalidation.md").read_text(), \
         "regenerate it: python -m eagle3pipe.tools.invalidation"

@@ -9,7 +9,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from pipeline import STAGES, make_repo, repro, set_param, sh
+from helpers.pipeline import STAGES, make_repo, repro, set_param, sh
 
 pytestmark = pytest.mark.slow
 

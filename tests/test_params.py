@@ -8,9 +8,9 @@ import pytest
 
 from eagle3pipe.tools import cli
 from eagle3pipe.config import params as P
-from eagle3pipe.stages import runner as stage
+from eagle3pipe.config import dvcfile, view
 
-from conftest import ROOT
+from helpers.micro import ROOT
 
 DEFAULT = (ROOT / "params.yaml").read_text()
 KIMI_VERIFIER = ROOT / "examples/kimi-k2.5/verifier/config.json"
@@ -85,7 +85,7 @@ CASES = [
     _case("  min_acceptance_length:", "  min_acceptance_length: 5.0",
           "smoke.min_acceptance_length", r"never be reached.*k \+ 1 = 4"),
     _case("  tensor_parallel_size: 1", "  tensor_parallel_size: 3", "vllm.tensor_parallel_size",
-          "does not divide draft.num_attention_heads"),
+          "does not divide the draft's num_attention_heads"),
     _case("  max_model_len: 1024", "  max_model_len: 256", "vllm.max_model_len",
           "shorter than dataset.max_seq_len"),
     _case("  gpu_memory_utilization: 0.9", "  gpu_memory_utilization: 1.5",
@@ -271,18 +271,18 @@ def test_verifier_config_missing_fields(tmp_path):
 
 
 def test_stage_view_refuses_undeclared_keys():
-    view = stage.for_stage("vocab", ROOT / "params.yaml", ROOT / "dvc.yaml")
-    assert view.draft.draft_vocab_size == 1024
-    with pytest.raises(stage.UndeclaredParamError, match=r"draft\.head_dim.*stages\.vocab\.params"):
-        view.draft.head_dim
-    with pytest.raises(stage.UndeclaredParamError):
-        view.train.seed
+    v = view.for_stage("vocab", ROOT / "params.yaml", ROOT / "dvc.yaml")
+    assert v.draft.draft_vocab_size == 1024
+    with pytest.raises(view.UndeclaredParamError, match=r"draft\.head_dim.*stages\.vocab\.params"):
+        v.draft.head_dim
+    with pytest.raises(view.UndeclaredParamError):
+        v.train.seed
 
 
 def test_every_leaf_key_is_declared_by_some_stage():
     from ruamel.yaml import YAML
     stages = YAML(typ="safe").load((ROOT / "dvc.yaml").read_text())["stages"]
-    declared = set().union(*(stage.declared_params(s, ROOT / "dvc.yaml") for s in stages))
+    declared = set().union(*(dvcfile.declared_params(s, ROOT / "dvc.yaml") for s in stages))
     params = P.load(ROOT / "params.yaml")
     for key in P.leaf_keys():
         if key.startswith("verifier.embedded.") and params.verifier.embedded is None:
@@ -297,7 +297,7 @@ def test_every_leaf_key_is_declared_by_some_stage():
 def test_stage_view_names_never_shadow_a_params_key():
     """A view's own attributes (params_file, key_lines, where, for_validation) win over params
     keys of the same name: none may be one."""
-    own = {n for n in dir(stage.StageView) if not n.startswith("_")}
+    own = {n for n in dir(view.StageView) if not n.startswith("_")}
     clash = {k for k in P.leaf_keys() for part in k.split(".") if part in own}
     assert own >= {"params_file", "key_lines", "where", "for_validation"} and not clash, clash
 
@@ -356,13 +356,21 @@ def _shown(raw: bytes) -> str:
     return _code(text if len(text) <= 72 else f"{text[:60]}... ({len(raw):,} bytes)")
 
 
+def defined_tests(module: str) -> list[str]:
+    """The test functions a test module of tests/ defines, sorted (read from its source: no
+    test module imports another)."""
+    import ast
+
+    tree = ast.parse((Path(__file__).parent / module).read_text())
+    return sorted(n.name for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and n.name.startswith("test_"))
+
+
 def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
     """(kind, what every refusal of that kind looks like, [(input, what it got, test)])."""
-    import test_check as TC
-    import test_dataset as TD
-    import test_families as TF
-    import test_runtime as TR
-    import test_verifier as TV
+    from helpers import malformed as M
+
+    refusals = [name for name in defined_tests("test_families.py") if "refused" in name]
 
     params = [(_code(new.strip()), _code(_params_message(replace_line(DEFAULT, needle, new)[0],
                                                          key)),
@@ -375,27 +383,27 @@ def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
     verifier = list(VERIFIER_CONFIG_OTHER)
     verifier += [(why, _code(f"FILE: ...{file}...: ...{say}..."),
                   "test_verifier.py::test_malformed_verifier_is_refused_before_writing")
-                 for why, _, file, say in TV.BAD_VERIFIERS]
+                 for why, _, file, say in M.BAD_VERIFIERS]
     verifier += [(name.replace("test_", "").replace("_", " "), "refused through `dvc repro`",
-                  f"test_families.py::{name}") for name in TF.REFUSALS]
+                  f"test_families.py::{name}") for name in refusals]
     generated = [(f"`{name}`: {_shown(raw)}", _code(f"FILE{_plain(what)}"),
                   f"test_runtime.py::test_broken_generated_json_names_file_line_and_fix "
-                  f"(x {len(TR.READERS)} readers)") for name, (raw, what) in TR.BROKEN.items()]
+                  f"(x {len(M.READERS)} readers)") for name, (raw, what) in M.BROKEN.items()]
     jsonl = [(f"`{name}`: {_shown(raw)}", _code(f"FILE:3: {reason}: {detail}"),
               "test_dataset.py::test_malformed_jsonl_line_refused_by_the_stage")
-             for name, raw, reason, detail in TD.MALFORMED_JSONL]
+             for name, raw, reason, detail in M.MALFORMED_JSONL]
     jsonl += [(f"`{name}`", _code(want.format(src="FILE", params="PARAMS",
                                                          line="LINE")),
                "test_dataset.py::test_malformed_jsonl_file_refused_by_the_stage")
-              for name, _, want in TD.MALFORMED_JSONL_FILES]
+              for name, _, want in M.MALFORMED_JSONL_FILES]
     samples = [(f"`{name}`: {_shown(raw)}", _code(f"FILE:2: {detail}"),
                 "test_dataset.py::test_malformed_sample_file_refused_by_the_vocab_stage")
-               for name, raw, detail in TD.MALFORMED_SAMPLES]
+               for name, raw, detail in M.MALFORMED_SAMPLES]
     checkpoints = [(f"`{name}` ({layout} layout, {dtype})",
                     _code(want.format(st="CKPT/model.safetensors", ck="CKPT",
                                       cfg="CKPT/config.json", params="PARAMS")),
                     "test_check.py::test_malformed_checkpoint_is_named_and_nothing_written")
-                   for name, layout, dtype, _, want in TC.CORRUPT]
+                   for name, layout, dtype, _, want in M.CORRUPT]
     return [
         ("params.yaml", "`eagle3pipe render/check/plan` and every stage: exit 2, "
          "`FILE:LINE: KEY: MESSAGE` + `    fix: ...`, nothing written", params),
@@ -447,13 +455,12 @@ def test_inputs_doc_is_generated_from_the_case_lists():
     for rows in kinds.values():  # every test the table names exists
         for _, _, test in rows:
             module, name = test.split(" ")[0].split("::")
-            assert hasattr(__import__(module[:-3]), name), test
+            assert name in defined_tests(module), test
     assert (ROOT / "docs/inputs.md").read_text() == inputs_doc(), \
         "docs/inputs.md is stale: run `python tests/test_params.py > docs/inputs.md`"
 
 
 if __name__ == "__main__":
-    import sys
+    import sys  # `python tests/test_params.py`: tests/ is sys.path[0], so `helpers` imports
 
-    sys.path.insert(0, str(Path(__file__).parent))
     sys.stdout.write(inputs_doc())

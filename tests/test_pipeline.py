@@ -9,9 +9,9 @@ import pytest
 
 from eagle3pipe.tools import invalidation as graph
 
-from pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, make_repo,
-                      out_hashes, repro, set_param, sh, start_repro, stop_repro,
-                      unexplained_skips)
+from helpers.pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, make_repo,
+                              out_hashes, repro, set_param, sh, start_repro, stop_repro,
+                              unexplained_skips)
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,13 @@ import pytest
 from eagle3pipe.draft import arch as A
 from eagle3pipe.tools import cli
 from eagle3pipe.config import params as P
+from eagle3pipe.runtime import units
+from eagle3pipe.stages import estimate
 from eagle3pipe.tools import plan
+from eagle3pipe.verifier import size
 from eagle3pipe.verifier.handle import VerifierInfo
 
-from conftest import ROOT
+from helpers.micro import ROOT
 
 DEFAULT = ROOT / "params.yaml"
 DEFAULT_VERIFIER = ROOT / "configs/verifier_config.json"
@@ -64,22 +67,22 @@ def test_figures_match_the_hand_formula_and_the_contract(params_file, config, hi
     assert stages["extract"].device_bytes >= p.verifier_weight_bytes // tp
 
 
-def test_hundred_million_kimi_tokens_are_5_7_tb():
+def test_hundred_million_kimi_tokens_are_5_2_tib():
     params = replace(P.load(KIMI), "dataset", num_samples=390_625)  # x (128 + 128) = 100 M
     p = plan.build(params, KIMI_VERIFIER, gpu=True)
     extract = next(s for s in p.stages if s.name == "extract")
     assert extract.tokens == 100_000_000
     hidden = 100_000_000 * 57_344
-    assert plan.human(hidden) == "5.7 TB"
+    assert units.human(hidden) == "5.2 TiB"
     assert hidden <= extract.disk_bytes < hidden * 1.01
-    assert f"= {plan.human(hidden)}" in plan.render(p)
+    assert f"= {units.human(hidden)}" in plan.render(p)
 
 
 def test_tp_not_dividing_heads_is_reported():
     params = replace(P.load(DEFAULT), "vllm", tensor_parallel_size=3)
     found = "\n".join(plan.build(params, DEFAULT_VERIFIER, gpu=True).problems)
     assert "does not divide the verifier's num_attention_heads 4" in found
-    assert "does not divide draft.num_attention_heads 4" in found
+    assert "does not divide the draft's num_attention_heads 4" in found
     kimi = replace(P.load(KIMI), "vllm", tensor_parallel_size=6)
     found = "\n".join(plan.build(kimi, KIMI_VERIFIER, gpu=True).problems)
     assert "vllm.tensor_parallel_size: 6 does not divide the verifier's num_attention_heads 64" \
@@ -93,9 +96,9 @@ def test_hidden_state_store_larger_than_free_disk(monkeypatch, tmp_path):
     found = plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path / "a").problems
     d = params.dataset  # hidden states (3 aux + final) x 256 x bf16, + token ids + Arrow rows
     store = d.num_samples * (d.max_prompt_tokens + d.max_new_tokens) * (2048 + 8 + 16)
-    assert len(found) == 1 and f"dataset.num_samples: needs {plan.human(store)}" in found[0]
-    assert f"{tmp_path} has 1.0 kB free" in found[0] and "fix:" in found[0]
-    assert plan.disk_problem(999, tmp_path, "k") is None
+    assert len(found) == 1 and f"dataset.num_samples: needs {units.human(store)}" in found[0]
+    assert f"{tmp_path} has 1000 B free" in found[0] and "fix:" in found[0]
+    assert estimate.disk_problem(999, tmp_path, "k") is None
 
 
 def test_machine_limits_cpu_vs_gpu():
@@ -123,14 +126,14 @@ def test_verifier_weights_from_safetensors_headers(tmp_path):
 
 def test_moe_mla_and_quantized_estimates():
     cfg = json.loads(KIMI_VERIFIER.read_text())  # the example's complete Kimi-K2 decoder
-    n, how = plan.config_param_estimate(cfg)
+    n, how = size.config_param_estimate(cfg)
     assert 0.9e12 < n < 1.1e12 and "MoE (384 experts" in how and "MLA" in how
     moe_mla = ("n_routed_experts", "moe_intermediate_size", "n_shared_experts",
                "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
                "qk_nope_head_dim", "v_head_dim")
-    dense, how = plan.config_param_estimate({k: v for k, v in cfg.items() if k not in moe_mla})
+    dense, how = size.config_param_estimate({k: v for k, v in cfg.items() if k not in moe_mla})
     assert "dense" in how and "far below" in how and dense < n / 10
-    per_weight, assumption = plan._weight_bytes(
+    per_weight, assumption = size._weight_bytes(
         {"quant_method": "compressed-tensors",
          "config_groups": {"g": {"weights": {"num_bits": 4}}}}, "bfloat16")
     assert per_weight == 0.5 and "4-bit" in assumption
@@ -160,7 +163,7 @@ def test_a_draft_no_accelerator_holds_is_refused_before_any_plan(tmp_path, capsy
         A.derive(dataclasses.replace(params.draft, head_dim=10 ** 11), info)
     fits = int(re.search(r"fits at all only up to ([\d,]+)", str(e.value))[1].replace(",", ""))
     p = plan.build(replace(params, "draft", head_dim=fits), DEFAULT_VERIFIER, gpu=True,
-                   device_gib=A.LARGEST_ACCELERATOR_BYTES / plan.GiB)
+                   device_gib=A.LARGEST_ACCELERATOR_BYTES / units.GiB)
     # bytes per unit of head_dim at H 256, 4 heads, 2 KV heads, bf16: q [4 hd, 2H], k and v
     # [2 hd, 2H], o [H, 4 hd]
     per_unit = (4 * 512 + 2 * 2 * 512 + 256 * 4) * 2

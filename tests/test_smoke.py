@@ -1,5 +1,5 @@
 """The `smoke` stage: real vLLM (engine-less load check and in-process engines) on real draft
-checkpoints written by tests/drafts.py for the micro verifier.
+checkpoints written by tests/helpers/drafts.py for the micro verifier.
 
 Engines run in a subprocess (the stage's CLI): vLLM's CPU worker replaces torch.set_num_threads
 process-wide, which must not leak into other tests.
@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-import drafts
+from helpers import drafts
 from eagle3pipe.data import prompts
-from eagle3pipe.stages import smoke
+from eagle3pipe.engines import acceptance
+from eagle3pipe.stages import smoke, smoke_inputs
 from eagle3pipe.engines import speed
-from eagle3pipe.errors import EXIT_CODE
+from eagle3pipe.errors import EXIT_INPUT as EXIT_CODE
 
-from conftest import engine_settings
+from helpers.micro import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 K = drafts.MICRO_DRAFT["num_speculative_tokens"]
@@ -39,32 +40,32 @@ def test_k_is_the_exported_serving_default(micro_verifier, tmp_path):
     arch = drafts.micro_arch(micro_verifier)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
                         num_speculative_tokens=5)
-    assert smoke.speculative_tokens(tmp_path / "export") == 5
+    assert smoke_inputs.speculative_tokens(tmp_path / "export") == 5
     cfg_path = tmp_path / "export" / "speculators" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     del cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(smoke.SmokeError, match=r"speculators/config.json.*speculative_tokens"):
-        smoke.speculative_tokens(tmp_path / "export")
+    with pytest.raises(smoke_inputs.SmokeError, match=r"speculators/config.json.*speculative_tokens"):
+        smoke_inputs.speculative_tokens(tmp_path / "export")
 
 
 def test_missing_export_names_the_file(micro_verifier, tmp_path):
     arch = drafts.micro_arch(micro_verifier)
     drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier)
     (tmp_path / "export" / "vllm" / "model.safetensors").unlink()
-    with pytest.raises(smoke.SmokeError, match=r"export/vllm: model.safetensors missing"):
-        smoke.export_dirs(tmp_path / "export")
+    with pytest.raises(smoke_inputs.SmokeError, match=r"export/vllm: model.safetensors missing"):
+        smoke_inputs.export_dirs(tmp_path / "export")
 
 
 def test_acceptance_from_counters():
-    r = smoke.acceptance({"drafts": 10, "draft_tokens": 30, "accepted_tokens": 17,
+    r = acceptance.acceptance({"drafts": 10, "draft_tokens": 30, "accepted_tokens": 17,
                           "accepted_per_position": [9, 5, 3]}, 3, 57)
     assert r == {"mean_acceptance_length": 2.7, "acceptance_rate_per_position": [0.9, 0.5, 0.3],
                  "num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 17,
                  "tokens_generated": 57}
-    assert smoke.acceptance({"drafts": 3, "accepted_tokens": 1}, 2, 4)[
+    assert acceptance.acceptance({"drafts": 3, "accepted_tokens": 1}, 2, 4)[
         "mean_acceptance_length"] == 1.3333
-    none = smoke.acceptance({}, 3, 0)
+    none = acceptance.acceptance({}, 3, 0)
     assert none["mean_acceptance_length"] == 1.0 and none["num_drafts"] == 0
     rows = smoke.plot_rows({"vllm": r, "ngram": none})
     assert rows[0] == {"position": 1, "ngram": 0.0, "vllm": 0.9}
@@ -73,10 +74,10 @@ def test_acceptance_from_counters():
 
 def test_mismatch_names_prompt_and_position():
     ref = [[1, 2, 3, 4], [5, 6, 7]]
-    assert smoke.mismatches(ref, [[1, 2, 3, 4], [5, 6, 7]]) == []
-    diff = smoke.mismatches(ref, [[1, 2, 9, 4], [5, 6, 7]])
+    assert acceptance.mismatches(ref, [[1, 2, 3, 4], [5, 6, 7]]) == []
+    diff = acceptance.mismatches(ref, [[1, 2, 9, 4], [5, 6, 7]])
     assert len(diff) == 1 and diff[0].startswith("prompt 0: first difference at output token 2")
-    assert smoke.mismatches(ref, [[1, 2, 3, 4], [5, 6]])[0].startswith("prompt 1:")
+    assert acceptance.mismatches(ref, [[1, 2, 3, 4], [5, 6]])[0].startswith("prompt 1:")
 
 
 def test_draft_helper_writes_what_the_contract_check_accepts(micro_verifier, tmp_path):
@@ -92,14 +93,14 @@ def test_k_sweep_is_checked_and_includes_the_serving_k():
     import types
 
     def ks(sweep):
-        return smoke.sweep_ks(types.SimpleNamespace(k_sweep=sweep), 3,
+        return smoke_inputs.sweep_ks(types.SimpleNamespace(k_sweep=sweep), 3,
                               lambda key: "params.yaml:99")
 
     assert ks([5, 1, 2]) == [1, 2, 3, 5] and ks([]) == []
-    with pytest.raises(smoke.SmokeError, match=r"params.yaml:99: smoke.k_sweep: 0 is not a "
+    with pytest.raises(smoke_inputs.SmokeError, match=r"params.yaml:99: smoke.k_sweep: 0 is not a "
                                                r"positive integer[\s\S]*fix: list k values"):
         ks([1, 0])
-    with pytest.raises(smoke.SmokeError, match=r"lists a k twice[\s\S]*fix: list each k once: "
+    with pytest.raises(smoke_inputs.SmokeError, match=r"lists a k twice[\s\S]*fix: list each k once: "
                                                r"\[1, 2\]"):
         ks([1, 2, 1])
 
@@ -329,7 +330,7 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
                               min_acceptance_length=1.0, min_gain_over_ngram=0.0,
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
                               threads=2, prompts=None, k_sweep=[1, 3], timing_rounds=1)
-    with pytest.raises(smoke.SmokeError) as e:
+    with pytest.raises(smoke_inputs.SmokeError) as e:
         smoke.measure(s, engine_settings(), export_dir=tmp_path / "export",
                       verifier_dir=micro_verifier, plots_path=tmp_path / "p.json")
     msg = str(e.value)
@@ -345,7 +346,7 @@ ENGINE_PROBE = """
 import gc, json, os, sys
 import torch
 from eagle3pipe.engines import engine
-from conftest import engine_settings
+from helpers.micro import engine_settings
 
 torch.set_num_threads(3)
 original = torch.set_num_threads

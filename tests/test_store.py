@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import (FAULT_TAG, digest, env, get_param, kill_group, make_repo, repro,
-                      set_param, sh, start, wait_for)
+from helpers.pipeline import (FAULT_TAG, digest, env, get_param, kill_group, make_repo, repro,
+                              set_param, sh, start, wait_for)
 
 pytestmark = pytest.mark.slow
 

@@ -18,16 +18,15 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from conftest import MICRO_EMBEDDED, ROOT
-from test_fingerprint import CONFIG, make_checkpoint, write_safetensors_header
+from helpers.malformed import BAD_VERIFIERS
+from helpers.micro import MICRO_EMBEDDED, ROOT
+from helpers.sparse import CONFIG, GiB, make_checkpoint, write_safetensors_header
 
 from eagle3pipe.config import params as P
 from eagle3pipe.verifier import handle as verifier
 from eagle3pipe.stages import verifier as verifier_stage
 from eagle3pipe.draft.arch import ArchError
 from eagle3pipe.verifier.handle import VerifierConfigError
-
-GiB = 1 << 30
 
 
 def vparams(path=None, hash_mode="headers", **embedded):
@@ -262,66 +261,8 @@ def test_stage_script_embedded_build_is_byte_identical(tmp_path, micro_verifier)
 
 
 # ---------------------------------------------------------------------------------------------
-# Malformed verifier checkpoints: refused before anything is written, naming the file
-
-
-def _cfg_edit(**changes):
-    def edit(ckpt: Path) -> None:
-        cfg = json.loads((ckpt / "config.json").read_text())
-        for k, v in changes.items():
-            if v is _DROP:
-                cfg.pop(k, None)
-            else:
-                cfg[k] = v
-        (ckpt / "config.json").write_text(json.dumps(cfg))
-    return edit
-
-
-def _write(name: str, text: str | bytes):
-    def edit(ckpt: Path) -> None:
-        (ckpt / name).write_bytes(text if isinstance(text, bytes) else text.encode())
-    return edit
-
-
-def _no_chat_template(ckpt: Path) -> None:
-    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
-    tc = json.loads((ckpt / "tokenizer_config.json").read_text())
-    tc.pop("chat_template", None)
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(tc))
-
-
-def _no_tokenizer(ckpt: Path) -> None:
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-              "special_tokens_map.json"):
-        (ckpt / f).unlink(missing_ok=True)
-
-
-_DROP = object()
-# (what is wrong, how to make it so, the file the error must name, what it must say)
-BAD_VERIFIERS = [
-    ("not JSON", _write("config.json", "{\"hidden_size\": 64,"), "config.json", "invalid JSON"),
-    ("not UTF-8", _write("config.json", b"\xff\xfe{}"), "config.json:1", "not UTF-8"),
-    ("a JSON list", _write("config.json", "[1, 2]"), "config.json", "got a JSON array"),
-    ("NaN", _write("config.json", '{"hidden_size": NaN}'), "config.json:1", "NaN is not JSON"),
-    ("no hidden_size", _cfg_edit(hidden_size=_DROP), "config.json", "hidden_size"),
-    ("hidden_size a string", _cfg_edit(hidden_size="64"), "config.json", "positive integer"),
-    ("zero layers", _cfg_edit(num_hidden_layers=0), "config.json", "positive integer"),
-    ("vocab_size null", _cfg_edit(vocab_size=None), "config.json", "positive integer"),
-    ("unknown model_type", _cfg_edit(model_type="no_such_model"), "config.json: model_type",
-     "trust_remote_code"),
-    ("no architectures", _cfg_edit(architectures=_DROP), "config.json: architectures",
-     "missing"),
-    ("architecture vLLM lacks", _cfg_edit(architectures=["NoSuchForCausalLM"]),
-     "config.json: architectures", "no model class"),
-    ("class without EAGLE-3", _cfg_edit(architectures=["GPT2LMHeadModel"]),
-     "config.json: architectures", "SupportsEagle3"),
-    ("no chat template", _no_chat_template, "tokenizer_config.json", "no chat template"),
-    ("no tokenizer", _no_tokenizer, "tokenizer_config.json", "does not load"),
-    ("MLA head size vLLM-cpu lacks",
-     _cfg_edit(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-               kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
-     "kv_lora_rank + qk_rope_head_dim", "576"),
-]
+# Malformed verifier checkpoints: refused before anything is written, naming the file (the
+# cases, BAD_VERIFIERS: helpers/malformed.py)
 
 
 @pytest.mark.parametrize("why,edit,file,say", BAD_VERIFIERS, ids=[c[0] for c in BAD_VERIFIERS])

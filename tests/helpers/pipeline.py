@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-ROOT = Path(__file__).resolve().parents[1]
-MICRO_PARAMS = ROOT / "tests/micro/params.yaml"
+from .micro import MICRO_PARAMS, ROOT  # noqa: F401 (ROOT, MICRO_PARAMS: also for importers)
+
 STAGES = ("verifier", "configs", "dataset", "vocab", "extract", "train", "export", "smoke")
 
 

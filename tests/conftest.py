@@ -1,15 +1,17 @@
-"""Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once. (The
-shared helpers that are not fixtures: the package tests/helpers/.)"""
+"""Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once; and
+a session check that the suite leaves the checkout's tracked files as it found them. (The shared
+helpers that are not fixtures: the package tests/helpers/.)"""
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import types
 from pathlib import Path
 
 import pytest
 
-from helpers.micro import MICRO_EMBEDDED
+from helpers.micro import MICRO_EMBEDDED, ROOT
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -42,3 +44,52 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
     return dst
 
 
+
+# ---------------------------------------------------------------------------------------------
+# The suite leaves the checkout as it found it: a tracked file that was clean when the session
+# started and is modified, staged or deleted when it ends was changed by a test (a developer's
+# uncommitted edits, dirty at the start, are not compared). The run then fails, naming them.
+
+_DIRTY_AT_START = pytest.StashKey[set]()
+
+
+def _dirty_tracked() -> set[str] | None:
+    """Tracked files of ROOT that differ from HEAD (`git status --porcelain`, untracked files
+    left out); None where ROOT is not a git checkout."""
+    r = subprocess.run(["git", "status", "--porcelain=v1", "-z", "--untracked-files=no"],
+                       cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    out, entries = set(), iter(r.stdout.split("\0"))
+    for entry in entries:
+        if not entry:
+            continue
+        out.add(entry[3:])
+        if entry[0] in "RC":  # a rename or copy: its source path follows
+            out.add(next(entries, ""))
+    return out
+
+
+def pytest_sessionstart(session):
+    session.stash[_DIRTY_AT_START] = _dirty_tracked()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    dirty_at_start = session.stash.get(_DIRTY_AT_START, None)
+    now = _dirty_tracked() if dirty_at_start is not None else None
+    if now is None:
+        return
+    changed = sorted(now - dirty_at_start)
+    if not changed:
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"the suite changed {len(changed)} tracked file(s) of {ROOT} that were clean when "
+             "it started (a test writes into the checkout; `git diff` shows what):"]
+    lines += [f"  {f}" for f in changed]
+    for line in lines:
+        if tr is not None:
+            tr.write_line(line, red=True, bold=True)
+        else:
+            print(line)
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

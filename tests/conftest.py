@@ -83,13 +83,16 @@ def pytest_sessionfinish(session, exitstatus):
     if not changed:
         return
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    title = "tracked files changed by the suite"
     lines = [f"the suite changed {len(changed)} tracked file(s) of {ROOT} that were clean when "
              "it started (a test writes into the checkout; `git diff` shows what):"]
     lines += [f"  {f}" for f in changed]
-    for line in lines:
-        if tr is not None:
-            tr.write_line(line, red=True, bold=True)
-        else:
-            print(line)
+    if tr is None:
+        print("\n".join([title, *lines]))
+    else:
+        tr.write("\n")
+        tr.write_sep("=", title, red=True, bold=True)
+        for line in lines:
+            tr.write_line(line, red=True)
     if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -270,7 +270,7 @@ def test_malformed_jsonl_lines_are_skipped_by_reason(tokenizer, tmp_path):
     prompts, report = prompt_src.jsonl_prompts(
         f, cfg(source=str(f), num_samples=100, max_seq_len=128, max_prompt_tokens=48),
         tokenizer, progress=False)
-    assert [p.id for p in prompts] == ["jsonl-0000001"]
+    assert [p.source for p in prompts] == ["jsonl-0000001"]
     want = collections.Counter(c[2] for c in MALFORMED_JSONL)
     assert report.skipped_by_reason == {r: want[r] for r in REASONS}
 
@@ -293,7 +293,7 @@ def test_tolerated_jsonl_variants(tokenizer, tmp_path):
     f.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + b"\r\n \t\r\n\r\n" + extra.encode() + b"\r\n")
     prompts, report = prompt_src.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"),
                                             tokenizer, progress=False)
-    assert [p.id for p in prompts] == ["jsonl-0000001", "jsonl-0000004"]
+    assert [p.source for p in prompts] == ["jsonl-0000001", "jsonl-0000004"]
     assert prompts[1].messages == [USER] and report.read == 2
 
 
@@ -355,8 +355,8 @@ def test_assemble_closed_and_cut_replies(tokenizer):
     cut = dataset.assemble(p, body, tokenizer, end)
     assert closed == cut  # a cut reply gets the closing token the template writes
     assert closed["messages"][-1] == {"role": "assistant", "content": "x = f(1)"}
-    assert closed["input_ids"] == p.prompt_ids + body + [end]
-    assert closed["loss_mask"] == [0] * len(p.prompt_ids) + [1] * (len(body) + 1)
+    assert closed["input_ids"] == p.ids + body + [end]
+    assert closed["loss_mask"] == [0] * len(p.ids) + [1] * (len(body) + 1)
     # here the sample equals the chat template's tokenization of its messages; a reply that
     # starts with whitespace would not (BPE merges the generation prompt's "\n" with it), and
     # input_ids keep the tokens the verifier really saw and produced

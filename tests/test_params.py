@@ -346,7 +346,7 @@ def _params_message(text: str, key: str) -> str:
         _, err, _ = run_render(Path(d), text)
         err = err.replace(str(Path(d) / "verifier.json"), "verifier.json")
     line = next(t for t in err.splitlines() if f": {key}: " in t)
-    return re.sub(r"^(eagle3pipe render: )?\S*params\.yaml:\d+:", "FILE:LINE:", line)
+    return re.sub(r"^(eagle3pipe render: (error: )?)?\S*params\.yaml:\d+:", "FILE:LINE:", line)
 
 
 def _shown(raw: bytes) -> str:

@@ -139,14 +139,14 @@ def test_new_aux_layer_ids_reextract_everything_and_regenerate_nothing(repo):
 
 def test_gc_with_a_bound_below_the_referenced_entries_says_so(repo):
     r = sh(repo, "eagle3pipe", "gc", "--max-bytes", "1K", check=False)
-    assert r.returncode == 1
-    assert "referenced entries alone exceed --max-bytes 1,024" in r.stderr
+    assert r.returncode == 2  # errors.EXIT_INPUT: the bound is an input to fix
+    assert "referenced entries alone exceed --max-bytes 1,024" in r.stderr and "fix:" in r.stderr
     assert "removed 0 unreferenced" in r.stdout
 
 
 def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
-    """The stage runner's plan check (eagle3pipe.tools.plan.stage_report) before any compute; the
-    free-space figure is faked with $EAGLE3PIPE_FREE_BYTES."""
+    """The stage runner's check of the stage's own estimate (eagle3pipe.stages.estimate.check)
+    before any compute; the free-space figure is faked with $EAGLE3PIPE_FREE_BYTES."""
     before = digest(repo / "artifacts/dataset")
     r = subprocess.run(["dvc", "repro", "-f", "-s", "dataset"], cwd=repo, capture_output=True,
                        text=True, env={**env(repo), "EAGLE3PIPE_FREE_BYTES": "999"})
@@ -154,6 +154,6 @@ def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
     assert r.returncode != 0
     assert "artifacts/dataset: dataset.num_samples: needs" in out and "999 B free" in out, out
     assert "fix: free disk there" in out and "Traceback" not in out
-    assert "plan (CPU): vLLM TP1" in out  # the plan's row opens the stage's log
+    assert "estimate (CPU): vLLM TP1" in out  # the stage's estimate opens its log
     assert not (repo / "artifacts/dataset").exists() or digest(repo / "artifacts/dataset") == before
     sh(repo, "dvc", "checkout", "-q", "dataset")

@@ -41,6 +41,7 @@ from eagle3pipe.engines import engine
 from eagle3pipe.data import store
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
+from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
 from eagle3pipe.data.samples import write_jsonl
 from eagle3pipe.verifier.handle import Verifier
@@ -260,6 +261,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
         "responses_cut_at_max_new_tokens": sum(r == "length" for r in finish),
         "new_tokens": timing["new_tokens"],
         "engine": engine.numeric(settings),
+        "kernels": kernels(vllm=True),
     }  # timings go to the log only: committed metrics must be byte-identical on rerun
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
     # a prompt the store already had a reply for (a repeated prompt counts as reused)

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from eagle3pipe.verifier import families
 from eagle3pipe.data import store
 from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.jsonio import read_json_object, write_json
 from eagle3pipe.runtime.seeds import seed_everything
 from eagle3pipe.errors import Error
@@ -396,6 +397,7 @@ def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, set
     return {
         "engine": "vllm", "tensor_parallel_size": settings["tensor_parallel_size"],
         "engine_settings": numeric(settings),
+        "kernels": kernels(vllm=True),
         "samples": sum(c["samples"] for c in counts.values()),
         "tokens": tokens,
         "splits": counts,

@@ -46,170 +46,23 @@ from tqdm import tqdm
 
 from eagle3pipe.engines import engine
 from eagle3pipe.verifier import preflight
-from eagle3pipe.data import prompts
-from eagle3pipe.runtime.jsonio import dumps, read_json_object, write_json
+from eagle3pipe.runtime.jsonio import dumps, write_json
+from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.engines import load_check as vllm_load
-from eagle3pipe.errors import Error
-from eagle3pipe.data.prompts import STDLIB_SOURCE, Prompt
 from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass, timing_of
-from eagle3pipe.verifier.handle import Verifier
 from eagle3pipe.config.schema import Params
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.engines.acceptance import (ROUND, acceptance, counter_delta, counter_sum,
+                                           mismatches, read_counters)
+from eagle3pipe.stages.smoke_inputs import (FORMATS, NGRAM, SWEPT, Inputs, SmokeError,
+                                            check_loads, default_where, read_inputs)
 
 log = logging.getLogger("eagle3pipe.stages.smoke")
 
-FORMATS = ("vllm", "speculators")  # artifacts/export/<format>/
-NGRAM = "ngram"
-SWEPT = ("vllm", NGRAM)  # what the k sweep runs: the draft (vllm layout) and the baseline
-COUNTERS = {
-    "drafts": "vllm:spec_decode_num_drafts",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-    "accepted_per_position": "vllm:spec_decode_num_accepted_tokens_per_pos",
-}
-ROUND = 4
 # the stage's other outputs, beside its --metrics and --plots paths (dvc.yaml names them too)
 TIMING_NAME = "smoke_timing.json"
 K_ACCEPTANCE_NAME = "smoke_k_acceptance.json"
 K_SPEEDUP_NAME = "smoke_k_speedup.json"
-
-
-class SmokeError(Error, RuntimeError):
-    """A draft that does not load, is not lossless, or does not speculate well enough.
-    `metrics` holds what was measured (None when the run stopped before the engines)."""
-
-    def __init__(self, message: str, metrics: dict | None = None, *, fix: str = ""):
-        super().__init__(message, fix)
-        self.metrics = metrics
-
-
-def _default_where(key: str) -> str:
-    return "params.yaml"
-
-
-# ---------------------------------------------------------------------------------------------
-# inputs
-
-
-def export_dirs(export_dir: str | Path) -> dict[str, Path]:
-    out = {}
-    for fmt in FORMATS:
-        d = Path(export_dir) / fmt
-        missing = [n for n in ("config.json", "model.safetensors") if not (d / n).is_file()]
-        if missing:
-            raise SmokeError(f"{d}: {', '.join(missing)} missing; the export stage writes "
-                             f"{export_dir}/{{vllm,speculators}}/{{config.json,model.safetensors}}"
-                             " (run `dvc repro export`)")
-        out[fmt] = d
-    return out
-
-
-def speculative_tokens(export_dir: str | Path) -> int:
-    """k: the serving default the export rendered into the speculators config (the
-    default proposal method's `speculative_tokens`)."""
-    path = Path(export_dir) / "speculators" / "config.json"
-    cfg = read_json_object(path, SmokeError, "run `dvc repro export`",
-                                   "exported speculators config")
-    try:
-        sc = cfg["speculators_config"]
-        methods = sc["proposal_methods"]
-        default = sc.get("default_proposal_method")
-        method = next((m for m in methods if m.get("proposal_type") == default), methods[0])
-        k = method["speculative_tokens"]
-    except (KeyError, IndexError, TypeError):
-        raise SmokeError(f"{path}: no speculators_config.proposal_methods[*].speculative_tokens;"
-                         " it is rendered from draft.num_speculative_tokens by the configs "
-                         "stage (run `dvc repro configs export`)") from None
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise SmokeError(f"{path}: speculative_tokens must be a positive integer, got {k!r}")
-    return k
-
-
-def sweep_ks(s, k: int, where: Callable[[str], str] = _default_where) -> list[int]:
-    """The k values of the sweep (smoke.k_sweep, with the serving k when it is not empty),
-    ascending; [] when there is no sweep."""
-    ks = list(s.k_sweep)
-    bad = [x for x in ks if isinstance(x, bool) or not isinstance(x, int) or x < 1]
-    if bad:
-        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {bad[0]!r} is not a "
-                         "positive integer", fix="list k values >= 1, e.g. [1, 2, 3, 4, 5], "
-                         "or [] for no sweep")
-    if len(set(ks)) != len(ks):
-        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {ks} lists a k twice",
-                         fix=f"list each k once: {sorted(set(ks))}")
-    return sorted(set(ks) | {k}) if ks else []
-
-
-@dataclass
-class Inputs:
-    """What every engine of a smoke run shares."""
-    exports: dict[str, Path]  # format -> artifacts/export/<format>
-    k: int  # num_speculative_tokens: the export's serving default
-    model_dir: Path  # the verifier's weights
-    tokenizer: Any
-    prompts: list[Prompt]
-    settings: dict  # the run's vLLM engine settings (engine.settings_of)
-    verifier: Verifier
-    sweep: list[int] = field(default_factory=list)  # k values of the sweep ([]: none)
-    source: str = STDLIB_SOURCE  # smoke.prompts, or the stdlib's held-out part
-
-    @property
-    def domains(self) -> dict[str, list[int]]:
-        """Prompt indices by domain, domains in order of first appearance."""
-        out: dict[str, list[int]] = {}
-        for i, p in enumerate(self.prompts):
-            out.setdefault(p.domain, []).append(i)
-        return out
-
-
-def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path,
-                where: Callable[[str], str] = _default_where) -> Inputs:
-    """The exports, k, the sweep, the verifier and the tokenized prompts; vllm.max_model_len
-    must fit the longest prompt, its generation and one speculative step past it."""
-    exports = export_dirs(export_dir)
-    k = speculative_tokens(export_dir)
-    sweep = sweep_ks(s, k, where)
-    # fails fast on a vanished or changed external checkpoint
-    v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
-    tok = v.tokenizer()
-    ps, source = prompts.load(s, tok, where)
-    longest = max(ps, key=lambda p: len(p.ids))
-    kmax = max([k, *sweep])
-    log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "
-             "max_tokens %d", v.model_dir, k, f", k sweep {sweep}" if sweep else "",
-             len(ps), source, len({p.domain for p in ps}), len(longest.ids),
-             s.max_tokens)
-    need = len(longest.ids) + s.max_tokens + kmax + 1
-    if need > settings["max_model_len"]:
-        raise SmokeError(f"vllm.max_model_len {settings['max_model_len']} is shorter than the "
-                         f"longest smoke prompt ({len(longest.ids)} tokens, {longest.source}) "
-                         f"+ smoke.max_tokens ({s.max_tokens}) + k + 1 = {need}"
-                         + (f" (k = {kmax}, the largest of the k sweep)" if kmax > k else ""),
-                         fix=f"raise vllm.max_model_len to at least {need} or lower "
-                         "smoke.max_tokens" + (" or shorten the prompt" if s.prompts else ""))
-    return Inputs(exports, k, v.model_dir, tok, ps, settings, v, sweep, source)
-
-
-# ---------------------------------------------------------------------------------------------
-# load checks
-
-
-def check_loads(s, inp: Inputs) -> None:
-    """The engine-less load check of every format (before any engine starts); raises
-    SmokeError listing every problem."""
-    problems = []
-    for fmt, d in inp.exports.items():
-        rep = vllm_load.check_draft(inp.settings, inp.model_dir, d,
-                                    num_speculative_tokens=inp.k)
-        log.info("%s: engine-less load check (%s) %s in %.1f s%s", fmt,
-                 rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
-                 "; shared verifier embedding" if rep.shared_embedding else "")
-        problems += rep.problems
-    if problems:
-        raise SmokeError("engine-less vLLM load check failed (each would start an engine "
-                         "silently broken, or fail inside it):\n"
-                         + "\n".join(f"  - {p}" for p in problems))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,53 +80,6 @@ class EngineRun:
     domain_tokens: dict[str, int] = field(default_factory=dict)
 
 
-def _counters(llm) -> dict[str, Any]:
-    """vLLM V1's spec-decode counters (summed over label sets, e.g. engine index)."""
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    wanted = {v: k for k, v in COUNTERS.items()}
-    out: dict[str, Any] = {"accepted_per_position": []}
-    for m in llm.get_metrics():
-        key = wanted.get(m.name)
-        if key is None:
-            continue
-        if isinstance(m, Vector):
-            cur = out.get(key) or []
-            vals = list(m.values)
-            cur = cur + [0] * (len(vals) - len(cur))
-            out[key] = [a + b for a, b in zip(cur, vals + [0] * (len(cur) - len(vals)))]
-        elif isinstance(m, Counter):
-            out[key] = out.get(key, 0) + int(m.value)
-    return out
-
-
-def _delta(before: dict, after: dict) -> dict:
-    out = {}
-    for k in COUNTERS:
-        a, b = after.get(k, 0 if k != "accepted_per_position" else []), before.get(k)
-        if isinstance(a, list):
-            b = b or []
-            out[k] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
-        else:
-            out[k] = a - (b or 0)
-    return out
-
-
-def _sum(counters: list[dict]) -> dict:
-    """Counter deltas added up (the domains of one pass)."""
-    out: dict[str, Any] = {k: 0 for k in COUNTERS}
-    out["accepted_per_position"] = []
-    for c in counters:
-        for k in COUNTERS:
-            v = c.get(k)
-            if isinstance(v, list):
-                cur = out[k] + [0] * (len(v) - len(out[k]))
-                out[k] = [a + (v[i] if i < len(v) else 0) for i, a in enumerate(cur)]
-            elif v is not None:
-                out[k] += v
-    return out
-
-
 def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
     """The prompt set through one engine, one greedy batch per domain, each batch timed; with
     `counted`, vLLM's spec-decode counter deltas per domain (valid for the engine started
@@ -285,7 +91,7 @@ def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
     ids: list[list[int]] = [[] for _ in inp.prompts]
     out = Pass(ids, {}, {})
     for domain, idx in inp.domains.items():
-        before = _counters(llm) if counted else None
+        before = read_counters(llm) if counted else None
         t0 = time.perf_counter()
         res = llm.generate([TokensPrompt(prompt_token_ids=inp.prompts[i].ids) for i in idx],
                            sampling, use_tqdm=False)
@@ -294,7 +100,7 @@ def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
             ids[i] = list(r.outputs[0].token_ids)
         out.tokens[domain] = sum(len(ids[i]) for i in idx)
         if counted:
-            out.counters[domain] = _delta(before, _counters(llm))
+            out.counters[domain] = counter_delta(before, read_counters(llm))
     return out
 
 
@@ -374,7 +180,7 @@ def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
                 p = generate(llm, inp, s, counted=True)  # before the next start (its counters)
                 seconds["counted"] += time.perf_counter() - t0
                 bar.update()
-                runs[(name, k)] = EngineRun(name, p.token_ids, _sum(list(p.counters.values())),
+                runs[(name, k)] = EngineRun(name, p.token_ids, counter_sum(list(p.counters.values())),
                                             dt, sum(p.seconds.values()), p.counters, p.tokens)
                 llms[name] = llm
             order = [(REFERENCE, ref_llm), *llms.items()]
@@ -394,44 +200,6 @@ def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
 
 # ---------------------------------------------------------------------------------------------
 # metrics
-
-
-def acceptance(counters: dict, k: int, tokens_generated: int) -> dict:
-    """Mean acceptance length (1 + accepted / drafts) and per-position acceptance rates."""
-    drafts = int(counters.get("drafts", 0))
-    accepted = int(counters.get("accepted_tokens", 0))
-    per_pos = list(counters.get("accepted_per_position") or [])
-    per_pos = (per_pos + [0] * k)[:k]
-    return {
-        "mean_acceptance_length": round(1.0 + accepted / drafts, ROUND) if drafts else 1.0,
-        "acceptance_rate_per_position": [round(a / drafts, ROUND) if drafts else 0.0
-                                         for a in per_pos],
-        "num_drafts": drafts,
-        "num_draft_tokens": int(counters.get("draft_tokens", 0)),
-        "num_accepted_tokens": accepted,
-        "tokens_generated": int(tokens_generated),
-    }
-
-
-def mismatches(reference: list[list[int]], got: list[list[int]], detok: Callable | None = None,
-               limit: int = 3, sources: list[str] | None = None) -> list[str]:
-    """Prompts whose speculative output differs from the non-speculative one."""
-    out = []
-    for i, (a, b) in enumerate(zip(reference, got)):
-        if a == b:
-            continue
-        j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        where = f" ({sources[i]})" if sources else ""
-        msg = (f"prompt {i}{where}: first difference at output token {j}: non-speculative "
-               f"{a[j:j + 4]} vs speculative {b[j:j + 4]} (lengths {len(a)} / {len(b)})")
-        if detok is not None:
-            msg += f"; non-speculative text {detok(a[max(0, j - 8):j + 8])!r}, speculative " \
-                   f"{detok(b[max(0, j - 8):j + 8])!r}"
-        out.append(msg)
-    if len(reference) != len(got):
-        out.append(f"{len(reference)} non-speculative outputs vs {len(got)} speculative")
-    more = len(out) - limit
-    return out[:limit] + ([f"... and {more} more prompts"] if more > 0 else [])
 
 
 def judge(s, k: int, reference: EngineRun, runs: dict[str, EngineRun], detok: Callable,
@@ -521,6 +289,7 @@ def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *
         "prompts": inp.source,
         "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
         "engine": engine.numeric(inp.settings),
+        "kernels": kernels(vllm=True),
         "formats": {fmt: results[fmt] for fmt in inp.exports},
         NGRAM: results[NGRAM],
         "mean_acceptance_length": {name: results[name]["mean_acceptance_length"]
@@ -582,7 +351,7 @@ class Outputs:
 
 def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
             plots_path: str | Path, outputs: Outputs | None = None, progress: bool = True,
-            where: Callable[[str], str] = _default_where) -> dict:
+            where: Callable[[str], str] = default_where) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
     (engine.settings_of). Writes the plot data (and the timing file when `outputs` names one)
     and returns the metrics; raises SmokeError (with .metrics) when a check fails."""

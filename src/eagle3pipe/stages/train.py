@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from eagle3pipe.verifier.handle import Verifier, VerifierInfo
 from eagle3pipe.config.schema import Params
 from eagle3pipe.runtime.units import human
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages.train_metrics import Metrics
 
 log = logging.getLogger("eagle3pipe.stages.train")
 
@@ -352,7 +352,7 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
     return last
 
 
-def run_epochs(s: TrainState, metrics: "Metrics", *, progress: bool) -> dict[str, Any]:
+def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool) -> dict[str, Any]:
     """The body of speculators' Trainer.run_training: eval at step 0, the epochs of step()s
     with an eval every p.eval_every steps and at the last, each logged to `metrics`. Returns
     the last evaluated point {epoch, step, train_loss, eval}."""
@@ -383,50 +383,6 @@ def run_epochs(s: TrainState, metrics: "Metrics", *, progress: bool) -> dict[str
     finally:
         bar.close()
     return last
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics (dvclive, rank 0)
-
-
-class Metrics:
-    """dvclive on rank 0 (`metrics_dir` None elsewhere: every call is then a no-op); values
-    rounded to 6 significant digits. Creating it clears the old plots."""
-
-    def __init__(self, metrics_dir: str | Path | None):
-        self.live = None if metrics_dir is None else _live(metrics_dir)
-
-    def _log(self, step: int, values: dict[str, float]) -> None:
-        if self.live is not None:
-            self.live.step = step
-            for k, v in values.items():
-                self.live.log_metric(k, float(f"{v:.6g}"))
-
-    def train(self, step: int, loss: float, lr: float) -> None:
-        self._log(step, {"train/loss": loss, "train/lr": lr})
-
-    def eval(self, step: int, ev: dict[str, float]) -> None:
-        self._log(step, {f"eval/{k}": v for k, v in ev.items()})
-
-    def end(self) -> None:
-        if self.live is not None:
-            self.live.end()
-
-
-def _live(metrics_dir: str | Path):
-    """dvclive writer: metrics.json (latest values, no timestamps) and per-step TSV plots under
-    <metrics_dir>/plots/metrics/ (it clears old plots first). No dvc.yaml of its own, no
-    experiment saving, and no DVC repo access at all: outside a DVC repo, dvclive 3.49's
-    get_dvc_repo() would `dvc init` the enclosing git repo. dvc.yaml declares these files."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from dvclive import Live
-
-    class FilesOnlyLive(Live):
-        def _init_dvc(self) -> None:  # no Repo(), no Repo.init(), no experiment
-            self._dvc_file = "dvc.yaml"
-
-    return FilesOnlyLive(dir=str(metrics_dir), save_dvc_exp=False, dvcyaml=None)
 
 
 def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,

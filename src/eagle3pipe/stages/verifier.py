@@ -28,6 +28,7 @@ from eagle3pipe.errors import Problem
 from eagle3pipe.verifier import fingerprint as fp
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import dumps
+from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
 from eagle3pipe.config.schema import Params
 from eagle3pipe.stages import estimate as E
@@ -180,7 +181,7 @@ def run(params, paths) -> dict:
               engine={"trust_remote_code": engine.trust_remote_code, "dtype": engine.dtype})
     log.info("wrote %s (%s)", paths.out,
              ", ".join(f"{k}={m[k]}" for k in ("mode", "n_files", "total_bytes")))
-    return m
+    return {**m, "kernels": kernels(vllm=False)}
 
 
 def estimate(params: Params, f: E.Figures) -> E.Estimate:

@@ -1,0 +1,160 @@
+"""The smoke stage's inputs: the exported drafts, the serving k and its sweep, the evaluation
+prompts and the engine settings, read and checked before any engine starts
+(eagle3pipe.stages.smoke runs them)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from eagle3pipe.data import prompts
+from eagle3pipe.data.prompts import STDLIB_SOURCE, Prompt
+from eagle3pipe.engines import load_check as vllm_load
+from eagle3pipe.errors import Error
+from eagle3pipe.runtime.jsonio import read_json_object
+from eagle3pipe.verifier.handle import Verifier
+
+log = logging.getLogger("eagle3pipe.stages.smoke")
+
+FORMATS = ("vllm", "speculators")  # artifacts/export/<format>/
+NGRAM = "ngram"
+SWEPT = ("vllm", NGRAM)  # what the k sweep runs: the draft (vllm layout) and the baseline
+
+class SmokeError(Error, RuntimeError):
+    """A draft that does not load, is not lossless, or does not speculate well enough.
+    `metrics` holds what was measured (None when the run stopped before the engines)."""
+
+    def __init__(self, message: str, metrics: dict | None = None, *, fix: str = ""):
+        super().__init__(message, fix)
+        self.metrics = metrics
+
+
+def default_where(key: str) -> str:
+    return "params.yaml"
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def export_dirs(export_dir: str | Path) -> dict[str, Path]:
+    out = {}
+    for fmt in FORMATS:
+        d = Path(export_dir) / fmt
+        missing = [n for n in ("config.json", "model.safetensors") if not (d / n).is_file()]
+        if missing:
+            raise SmokeError(f"{d}: {', '.join(missing)} missing; the export stage writes "
+                             f"{export_dir}/{{vllm,speculators}}/{{config.json,model.safetensors}}"
+                             " (run `dvc repro export`)")
+        out[fmt] = d
+    return out
+
+
+def speculative_tokens(export_dir: str | Path) -> int:
+    """k: the serving default the export rendered into the speculators config (the
+    default proposal method's `speculative_tokens`)."""
+    path = Path(export_dir) / "speculators" / "config.json"
+    cfg = read_json_object(path, SmokeError, "run `dvc repro export`",
+                                   "exported speculators config")
+    try:
+        sc = cfg["speculators_config"]
+        methods = sc["proposal_methods"]
+        default = sc.get("default_proposal_method")
+        method = next((m for m in methods if m.get("proposal_type") == default), methods[0])
+        k = method["speculative_tokens"]
+    except (KeyError, IndexError, TypeError):
+        raise SmokeError(f"{path}: no speculators_config.proposal_methods[*].speculative_tokens;"
+                         " it is rendered from draft.num_speculative_tokens by the configs "
+                         "stage (run `dvc repro configs export`)") from None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SmokeError(f"{path}: speculative_tokens must be a positive integer, got {k!r}")
+    return k
+
+
+def sweep_ks(s, k: int, where: Callable[[str], str] = default_where) -> list[int]:
+    """The k values of the sweep (smoke.k_sweep, with the serving k when it is not empty),
+    ascending; [] when there is no sweep."""
+    ks = list(s.k_sweep)
+    bad = [x for x in ks if isinstance(x, bool) or not isinstance(x, int) or x < 1]
+    if bad:
+        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {bad[0]!r} is not a "
+                         "positive integer", fix="list k values >= 1, e.g. [1, 2, 3, 4, 5], "
+                         "or [] for no sweep")
+    if len(set(ks)) != len(ks):
+        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {ks} lists a k twice",
+                         fix=f"list each k once: {sorted(set(ks))}")
+    return sorted(set(ks) | {k}) if ks else []
+
+
+@dataclass
+class Inputs:
+    """What every engine of a smoke run shares."""
+    exports: dict[str, Path]  # format -> artifacts/export/<format>
+    k: int  # num_speculative_tokens: the export's serving default
+    model_dir: Path  # the verifier's weights
+    tokenizer: Any
+    prompts: list[Prompt]
+    settings: dict  # the run's vLLM engine settings (engine.settings_of)
+    verifier: Verifier
+    sweep: list[int] = field(default_factory=list)  # k values of the sweep ([]: none)
+    source: str = STDLIB_SOURCE  # smoke.prompts, or the stdlib's held-out part
+
+    @property
+    def domains(self) -> dict[str, list[int]]:
+        """Prompt indices by domain, domains in order of first appearance."""
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(self.prompts):
+            out.setdefault(p.domain, []).append(i)
+        return out
+
+
+def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path,
+                where: Callable[[str], str] = default_where) -> Inputs:
+    """The exports, k, the sweep, the verifier and the tokenized prompts; vllm.max_model_len
+    must fit the longest prompt, its generation and one speculative step past it."""
+    exports = export_dirs(export_dir)
+    k = speculative_tokens(export_dir)
+    sweep = sweep_ks(s, k, where)
+    # fails fast on a vanished or changed external checkpoint
+    v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
+    tok = v.tokenizer()
+    ps, source = prompts.load(s, tok, where)
+    longest = max(ps, key=lambda p: len(p.ids))
+    kmax = max([k, *sweep])
+    log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "
+             "max_tokens %d", v.model_dir, k, f", k sweep {sweep}" if sweep else "",
+             len(ps), source, len({p.domain for p in ps}), len(longest.ids),
+             s.max_tokens)
+    need = len(longest.ids) + s.max_tokens + kmax + 1
+    if need > settings["max_model_len"]:
+        raise SmokeError(f"vllm.max_model_len {settings['max_model_len']} is shorter than the "
+                         f"longest smoke prompt ({len(longest.ids)} tokens, {longest.source}) "
+                         f"+ smoke.max_tokens ({s.max_tokens}) + k + 1 = {need}"
+                         + (f" (k = {kmax}, the largest of the k sweep)" if kmax > k else ""),
+                         fix=f"raise vllm.max_model_len to at least {need} or lower "
+                         "smoke.max_tokens" + (" or shorten the prompt" if s.prompts else ""))
+    return Inputs(exports, k, v.model_dir, tok, ps, settings, v, sweep, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# load checks
+
+
+def check_loads(s, inp: Inputs) -> None:
+    """The engine-less load check of every format (before any engine starts); raises
+    SmokeError listing every problem."""
+    problems = []
+    for fmt, d in inp.exports.items():
+        rep = vllm_load.check_draft(inp.settings, inp.model_dir, d,
+                                    num_speculative_tokens=inp.k)
+        log.info("%s: engine-less load check (%s) %s in %.1f s%s", fmt,
+                 rep.architecture or "?", "ok" if rep.ok else "FAILED", rep.seconds,
+                 "; shared verifier embedding" if rep.shared_embedding else "")
+        problems += rep.problems
+    if problems:
+        raise SmokeError("engine-less vLLM load check failed (each would start an engine "
+                         "silently broken, or fail inside it):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+

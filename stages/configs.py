@@ -1,6 +1,6 @@
 """DVC stage `configs`: every derived config from params.yaml + the verifier's config.json.
 See src/eagle3pipe/stages/configs.py."""
-from eagle3pipe.stages import runner, configs
+from eagle3pipe.stages import configs, runner
 
 if __name__ == "__main__":
     runner.main("configs", configs.run, paths=("verifier", "out"),

@@ -1,6 +1,6 @@
 """DVC stage `dataset`: prompts + verifier-regenerated replies, tokenized, with loss masks.
 See src/eagle3pipe/stages/dataset.py."""
-from eagle3pipe.stages import runner, dataset
+from eagle3pipe.stages import dataset, runner
 
 if __name__ == "__main__":
     runner.main("dataset", dataset.run, paths=("verifier", "out", "metrics"),

@@ -1,6 +1,6 @@
 """DVC stage `export`: the trained draft in both formats vLLM loads, each contract-checked.
 See src/eagle3pipe/stages/export.py."""
-from eagle3pipe.stages import runner, export
+from eagle3pipe.stages import export, runner
 
 if __name__ == "__main__":
     runner.main("export", export.run, paths=("checkpoint", "speculators_config", "vllm_config", "verifier", "out"),

@@ -412,8 +412,8 @@ def test_dataset_and_vocab_stage_scripts(micro_verifier, tmp_path):
                         "--out", "artifacts/vocab", "--no-progress"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    from eagle3pipe.stages import vocab
-    d2t, t2d = vocab.load(tmp_path / "artifacts/vocab")
+    from eagle3pipe.draft import vocab_map
+    d2t, t2d = vocab_map.load(tmp_path / "artifacts/vocab")
     assert d2t.shape == (64,) and t2d.shape == (512,) and int(t2d.sum()) == 64
     stats = json.loads((tmp_path / "artifacts/vocab/stats.json").read_text())
     assert stats["masked_tokens"] > 0 and stats["draft_vocab_size"] == 64

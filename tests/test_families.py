@@ -14,7 +14,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from helpers import checkpoints
-from helpers.pipeline import (STAGES, finish_repro, make_repo, set_param, sh, start_repro,
+from helpers.pipeline import (STAGES, make_repo, set_param, sh, start_repro,
                               stop_repro)
 
 pytestmark = pytest.mark.slow

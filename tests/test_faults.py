@@ -417,7 +417,7 @@ def _python(code: str, *args: str, env_extra: dict | None = None, **kw) -> subpr
 @pytest.mark.parametrize("target", ["d", "f.json"])
 def test_a_killed_writer_publishes_nothing_and_the_next_writer_removes_its_leftovers(
         tmp_path, target):
-    from eagle3pipe.runtime import atomic as runtime, jsonio
+    from eagle3pipe.runtime import atomic as runtime
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d/f").write_text("old")

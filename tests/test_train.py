@@ -19,7 +19,7 @@ from eagle3pipe.draft import arch as archmod
 from eagle3pipe.data import batches
 from eagle3pipe.runtime import distributed
 from eagle3pipe.draft import formats
-from eagle3pipe.stages import vocab
+from eagle3pipe.draft import vocab_map
 from eagle3pipe.stages import train as trainmod
 from eagle3pipe.verifier.handle import VerifierInfo
 from helpers.training import MICRO_TRAIN, make_inputs
@@ -170,8 +170,8 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
     (tmp_path / "v").mkdir()
     save_file({"d2t": torch.zeros_like(t["d2t"]), "t2d": t["t2d"]},
               str(tmp_path / "v" / "vocab_map.safetensors"))
-    with pytest.raises(vocab.VocabError, match="d2t and t2d disagree"):
-        vocab.load(tmp_path / "v", inputs.arch.draft_vocab_size, inputs.arch.vocab_size)
+    with pytest.raises(vocab_map.VocabError, match="d2t and t2d disagree"):
+        vocab_map.load(tmp_path / "v", inputs.arch.draft_vocab_size, inputs.arch.vocab_size)
     # a draft config for another verifier (stale configs/) is rejected
     other = tmp_path / "other.json"
     d = json.loads(inputs.draft_config.read_text())
@@ -210,7 +210,7 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
 
     torch.manual_seed(0)
     a = formats.read_draft_config(inputs.draft_config)
-    d2t, t2d = vocab.load(inputs.vocab, a.draft_vocab_size, a.vocab_size)
+    d2t, t2d = vocab_map.load(inputs.vocab, a.draft_vocab_size, a.vocab_size)
     model = trainmod.build_model(a, inputs.verifier, d2t, t2d, speculative_tokens=3,
                                  attn_impl="sdpa")
     ds = batches.open_datapath(inputs.hidden / "train", 1024, torch.float32)

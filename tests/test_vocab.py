@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3pipe.draft import vocab_map
 from eagle3pipe.stages import vocab
 from eagle3pipe.data.samples import SamplesError
-from eagle3pipe.stages.vocab import VocabError
+from eagle3pipe.draft.vocab_map import VocabError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +73,7 @@ def test_build_writes_deterministic_files(tmp_path):
     vocab.build(f, 16, 100, tmp_path / "b", progress=False)
     for name in ("vocab_map.safetensors", "stats.json", "d2t.npy", "t2d.npy"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    d2t, t2d = vocab.load(tmp_path / "a")
+    d2t, t2d = vocab_map.load(tmp_path / "a")
     assert targets(d2t) == torch.nonzero(t2d).flatten().tolist()
     assert json.loads((tmp_path / "a/stats.json").read_text()) == st
     # the names and format `speculators train --d2t-path/--t2d-path` reads, with its own loader

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from eagle3pipe.draft import arch as archmod
-from eagle3pipe.runtime.distributed import Backend
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.distributed import Backend
 
 NUM_SLOTS = archmod.NUM_AUX + 1  # 3 aux layers + the pre-norm last-layer output
 

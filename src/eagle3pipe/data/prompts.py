@@ -7,8 +7,8 @@ error naming file:line, the params key and the fix.
 """
 from __future__ import annotations
 
-import os
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -16,9 +16,10 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from eagle3pipe.data import samples
-from eagle3pipe.data.samples import json_type, message_problem, parse_line as parse_json_line
-from eagle3pipe.verifier import corpus
+from eagle3pipe.data.samples import json_type, message_problem
+from eagle3pipe.data.samples import parse_line as parse_json_line
 from eagle3pipe.errors import Error, Problem
+from eagle3pipe.verifier import corpus
 
 PROMPTS_DIR = "prompts"  # a dep of the smoke stage in dvc.yaml: smoke.prompts must lie in it
 STDLIB_DOMAIN = "stdlib"  # the held-out stdlib prompts (smoke.prompts: null)
@@ -58,8 +59,6 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
 
 def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
     """Held-out corpus snippets as user turns, tokenized with the chat template."""
-    from eagle3pipe.verifier import corpus
-
     try:
         texts = corpus.snippets("heldout", num_prompts, seed=seed)
     except RuntimeError as e:

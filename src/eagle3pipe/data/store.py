@@ -38,6 +38,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3pipe.config import dvcfile
+from eagle3pipe.errors import Error
+from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.units import human, parse_size
 
 log = logging.getLogger("eagle3pipe.data.store")
@@ -111,8 +114,6 @@ def publish(src: Path, dst: Path) -> bool:
 def counts_path(stage: str, dvc_yaml: str | os.PathLike) -> Path | None:
     """Where dvc.yaml's top-level metrics put <stage>_store.json (relative to dvc.yaml, not to
     the working directory), or None when it lists none."""
-    from eagle3pipe.config import dvcfile
-
     return next((m for m in dvcfile.top_metrics(dvc_yaml) if m.name == f"{stage}_store.json"),
                 None)
 
@@ -126,8 +127,6 @@ def record(stage: str, computed: int, reused: int, skipped: int, total: int,
     show` lists and no stage depends on (as smoke's timing file). Written after the stage's
     output is published; a stage DVC restores from its run cache does not run, so the file
     keeps describing the last run that computed. to None: returned, not written."""
-    from eagle3pipe.runtime.jsonio import write_json
-
     if computed + reused + skipped != total:
         raise AssertionError(f"store counts {computed} + {reused} + {skipped} != {total}")
     out = {"computed": computed, "reused": reused, "skipped": skipped, "total": total}
@@ -140,8 +139,6 @@ def record(stage: str, computed: int, reused: int, skipped: int, total: int,
 
 def bound() -> tuple[int, str]:
     """The store's size bound in bytes and where it came from."""
-    from eagle3pipe.errors import Error
-
     text = os.environ.get(BOUND_ENV)
     if not text:
         return parse_size(DEFAULT_BOUND), f"the default {DEFAULT_BOUND}; set ${BOUND_ENV}"

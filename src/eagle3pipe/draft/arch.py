@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from eagle3pipe.verifier import families
 from eagle3pipe.config.schema import DraftParams
 from eagle3pipe.errors import Error, Problem
 from eagle3pipe.runtime.tensorfile import SAFETENSORS_BYTES
+from eagle3pipe.verifier import families
 from eagle3pipe.verifier.handle import VerifierInfo
 
 NUM_AUX = 3  # vLLM's Eagle3 fc input is fixed at 3 aux layers (speculators 0.8 drafts with 4 failed)

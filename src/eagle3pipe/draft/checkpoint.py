@@ -101,7 +101,7 @@ def check_tensors(tensors: dict, arch: A.DraftArch, layout: str, where: str,
 
 
 def check_vocab_map(ckpt: Path, tensors: dict, arch: A.DraftArch) -> list[str]:
-    """d2t consistent with t2d (eagle3pipe.stages.vocab.mapping_problem)."""
+    """d2t consistent with t2d (eagle3pipe.draft.vocab_map.mapping_problem)."""
     from safetensors import SafetensorError, safe_open
 
     if "d2t" not in tensors or "t2d" not in tensors:
@@ -116,7 +116,7 @@ def check_vocab_map(ckpt: Path, tensors: dict, arch: A.DraftArch) -> list[str]:
     d2t, t2d = maps["d2t"], maps["t2d"]
     if d2t.shape != (arch.draft_vocab_size,) or t2d.shape != (arch.vocab_size,):
         return []  # shape problems are reported by check_tensors
-    from eagle3pipe.stages.vocab import mapping_problem
+    from eagle3pipe.draft.vocab_map import mapping_problem
 
     detail = mapping_problem(d2t, t2d)
     if detail is None:

@@ -21,10 +21,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from eagle3pipe.draft.arch import NUM_AUX, SAFETENSORS_DTYPE, DraftArch
-from eagle3pipe.verifier.handle import EMBEDDED_VERIFIER_DIR
+from eagle3pipe.draft.arch import NUM_AUX, SAFETENSORS_DTYPE, DraftArch, derive
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.atomic import write_text_atomic
 from eagle3pipe.runtime.jsonio import dumps, read_json_object
+from eagle3pipe.verifier.handle import EMBEDDED_VERIFIER_DIR, VerifierInfo, read_config
 
 FILES = ("draft_config.json", "speculators/config.json", "vllm/config.json", "capture.json",
          "verifier_config.json")
@@ -205,8 +206,6 @@ def render(arch: DraftArch, *, verifier_config: dict, verifier_path: str | None,
 
 def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
     """Writes rendered files atomically; files whose bytes are unchanged are not touched."""
-    from eagle3pipe.runtime.atomic import write_text_atomic
-
     written = []
     for rel, text in files.items():
         p = Path(out_dir) / rel
@@ -220,9 +219,6 @@ def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
 def render_files(draft, verifier_path: str | None, verifier_config_file: str | Path, *,
                  params_file: str = "params.yaml", lines: dict | None = None) -> dict[str, str]:
     """params' draft section + the verifier's config.json -> every derived config's text."""
-    from eagle3pipe.draft.arch import derive
-    from eagle3pipe.verifier.handle import VerifierInfo, read_config
-
     info = VerifierInfo.from_config(verifier_config_file)
     arch = derive(draft, info, params_file=params_file, lines=lines)
     cfg, _, _ = read_config(verifier_config_file)

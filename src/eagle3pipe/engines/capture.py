@@ -23,8 +23,8 @@ from typing import Iterable, Iterator
 import torch
 from safetensors.torch import load_file
 
-from eagle3pipe.errors import Error
 from eagle3pipe.data.samples import Sample
+from eagle3pipe.errors import Error
 
 FLUSH_TIMEOUT_S = 120.0
 

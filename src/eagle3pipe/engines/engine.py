@@ -18,7 +18,6 @@ from typing import Any, Iterator
 
 from eagle3pipe.errors import Error
 
-
 # params.yaml `vllm:` keys passed to vLLM's LLM/EngineArgs under the same names
 ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                "enable_expert_parallel", "gpu_memory_utilization", "max_model_len", "dtype",

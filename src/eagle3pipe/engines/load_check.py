@@ -68,8 +68,11 @@ def single_process_group(vllm_config):
     import torch.distributed
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
-    from vllm.utils.network_utils import (get_distributed_init_method, get_loopback_ip,
-                                          get_open_port)
+    from vllm.utils.network_utils import (
+        get_distributed_init_method,
+        get_loopback_ip,
+        get_open_port,
+    )
 
     owned = False
     with set_current_vllm_config(vllm_config):

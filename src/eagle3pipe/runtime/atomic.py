@@ -14,7 +14,6 @@ from typing import Iterator
 
 from eagle3pipe.errors import Error
 
-
 # ---------------------------------------------------------------------------------------------
 # Atomic outputs
 #

@@ -36,17 +36,19 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from eagle3pipe.errors import Error
-from eagle3pipe.engines import engine
+from eagle3pipe.config.schema import Params
+from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
+from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
+from eagle3pipe.data.samples import write_jsonl
+from eagle3pipe.engines import engine
+from eagle3pipe.errors import Error
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
-from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
-from eagle3pipe.data.samples import write_jsonl
-from eagle3pipe.verifier.handle import Verifier
-from eagle3pipe.config.schema import Params
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages.runner import Paths
+from eagle3pipe.verifier.handle import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +281,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     return metrics
 
 
-def run(params, paths) -> dict:
+def run(params: StageView, paths: Paths) -> dict:
     """The stage (eagle3pipe.stages.runner.main): paths.verifier -> paths.out; returns the metrics."""
     return build(params.dataset, engine.settings_of(params.vllm), paths.verifier, paths.out,
                  progress=paths.progress, where=params.where,

@@ -24,7 +24,12 @@ from eagle3pipe.draft import arch as A
 from eagle3pipe.errors import Error, Problem
 from eagle3pipe.runtime.disk import free_bytes
 from eagle3pipe.runtime.units import DTYPE_BYTES, human
-from eagle3pipe.verifier.handle import VerifierConfigError, VerifierInfo, find_config, read_config
+from eagle3pipe.verifier.handle import (
+    VerifierConfigError,
+    VerifierInfo,
+    find_config,
+    read_config,
+)
 from eagle3pipe.verifier.size import verifier_weights
 
 ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # float32 weights + grads + AdamW's two moments

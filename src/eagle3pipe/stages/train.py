@@ -35,22 +35,32 @@ from typing import Any
 
 import torch
 
-from eagle3pipe.draft import arch as archmod
-from eagle3pipe.runtime.distributed import (Backend, Dist, all_reduce, autocast, backend_for,
-                                    setup_distributed, teardown, wrap_model)
+from eagle3pipe.config.schema import Params
+from eagle3pipe.config.view import StageView
 from eagle3pipe.data import batches
-from eagle3pipe.verifier import families
 from eagle3pipe.data.batches import Batches, TrainInputError, open_split
+from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft.formats import eagle3_config, read_draft_config
-from eagle3pipe.stages.vocab import load as vocab_load
+from eagle3pipe.draft.vocab_map import load as vocab_load
 from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.runtime.distributed import (
+    Backend,
+    Dist,
+    all_reduce,
+    autocast,
+    backend_for,
+    setup_distributed,
+    teardown,
+    wrap_model,
+)
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.verifier.handle import Verifier, VerifierInfo
-from eagle3pipe.config.schema import Params
 from eagle3pipe.runtime.units import human
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages.runner import Paths
 from eagle3pipe.stages.train_metrics import Metrics
+from eagle3pipe.verifier import families
+from eagle3pipe.verifier.handle import Verifier, VerifierInfo
 
 log = logging.getLogger("eagle3pipe.stages.train")
 
@@ -394,7 +404,7 @@ def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
     return fit(state, out_dir, metrics_dir=metrics_dir, progress=progress)
 
 
-def run(params, paths) -> None:
+def run(params: StageView, paths: Paths) -> None:
     """The stage (eagle3pipe.stages.runner.main): paths.draft_config, .verifier, .hidden, .vocab ->
     paths.out; dvclive writes metrics/train/."""
     final = train(params.train, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+
 class Metrics:
     """dvclive on rank 0 (`metrics_dir` None elsewhere: every call is then a no-op); values
     rounded to 6 significant digits. Creating it clears the old plots."""

@@ -24,14 +24,16 @@ import shutil
 import time
 from pathlib import Path
 
+from eagle3pipe.config.schema import Params
+from eagle3pipe.config.view import StageView
 from eagle3pipe.errors import Problem
-from eagle3pipe.verifier import fingerprint as fp
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.runtime.kernels import kernels
-from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
-from eagle3pipe.config.schema import Params
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages.runner import Paths
+from eagle3pipe.verifier import fingerprint as fp
+from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ def _copied(name: str, size: int) -> bool:
         fnmatch.fnmatchcase(name, pat) for pat in COPY_PATTERNS)
 
 
-def run(params, paths) -> dict:
+def run(params: StageView, paths: Paths) -> dict:
     """The stage (eagle3pipe.stages.runner.main): params.verifier -> paths.out; returns the metrics.
     The `draft` section and vllm.tensor_parallel_size, .trust_remote_code and .dtype are read
     for VALIDATION ONLY (for_validation): an impossible pairing fails here, before anything is

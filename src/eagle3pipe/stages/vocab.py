@@ -18,17 +18,15 @@ from pathlib import Path
 
 import torch
 
-from eagle3pipe.errors import Error
+from eagle3pipe.config.view import StageView
+from eagle3pipe.data.samples import read as read_samples
+from eagle3pipe.draft.vocab_map import MAP_FILE, VocabError, mapping_problem
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
-from eagle3pipe.data.samples import read as read_samples
+from eagle3pipe.stages.runner import Paths
+from eagle3pipe.verifier.handle import VerifierInfo
 
 log = logging.getLogger(__name__)
-MAP_FILE = "vocab_map.safetensors"
-
-
-class VocabError(Error, ValueError):
-    pass
 
 
 def count_masked_tokens(train_jsonl: str | Path, vocab_size: int, *,
@@ -37,8 +35,8 @@ def count_masked_tokens(train_jsonl: str | Path, vocab_size: int, *,
     (eagle3pipe.data.samples.read: every bad line is an error naming file:line)."""
     rows = read_samples(train_jsonl, vocab_size, progress=progress, desc="vocab: count")
     if not rows:
-        raise VocabError(f"{train_jsonl}: no samples; fix: rerun the dataset stage with more "
-                         "data")
+        raise VocabError(f"{train_jsonl}: no samples",
+                         "rerun the dataset stage with more data")
     counts: Counter = Counter(t for r in rows for t, m in zip(r.input_ids, r.loss_mask) if m)
     return counts, len(rows)
 
@@ -48,8 +46,8 @@ def build_mapping(counts: dict[int, int], draft_vocab_size: int, vocab_size: int
     """(d2t int64 [draft_vocab_size], t2d bool [vocab_size]) by speculators' convention."""
     if draft_vocab_size > vocab_size:
         raise VocabError(f"{where}: draft.draft_vocab_size ({draft_vocab_size}) exceeds the "
-                         f"verifier's vocab_size ({vocab_size}); fix: set "
-                         f"draft.draft_vocab_size <= {vocab_size}")
+                         f"verifier's vocab_size ({vocab_size})",
+                         f"set draft.draft_vocab_size <= {vocab_size}")
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), draft_vocab_size, vocab_size)
@@ -57,21 +55,6 @@ def build_mapping(counts: dict[int, int], draft_vocab_size: int, vocab_size: int
     problem = mapping_problem(d2t, t2d)  # the invariant every consumer relies on
     assert problem is None, problem
     return d2t, t2d
-
-
-def mapping_problem(d2t: torch.Tensor, t2d: torch.Tensor) -> str | None:
-    """None if target id = draft id + d2t[draft id] lists exactly the ids t2d marks, in order
-    (what vLLM's and speculators' samplers assume; an all-zero d2t is right only for t2d =
-    0..n-1), else what is wrong."""
-    targets = torch.arange(len(d2t)) + d2t.long()
-    marked = torch.nonzero(t2d.bool()).flatten()
-    if len(marked) != len(targets):
-        return f"t2d marks {len(marked)} ids, draft vocab is {len(targets)}"
-    if torch.equal(marked, targets):
-        return None
-    bad = int((targets != marked).nonzero()[0])
-    return (f"first mismatch at draft id {bad}: draft+d2t = {int(targets[bad])}, t2d marks "
-            f"{int(marked[bad])}")
 
 
 def stats(counts: dict[int, int], d2t: torch.Tensor, samples: int) -> dict:
@@ -104,39 +87,6 @@ def save(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, st: dict) ->
         write_json(tmp / "stats.json", st)
 
 
-def load(path: str | Path, draft_vocab_size: int | None = None, vocab_size: int | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [draft_vocab], t2d bool [vocab]) from a vocab_map.safetensors file or the
-    directory holding it, checked: the tensors, their dtypes, the sizes (when given) and that
-    target ids = arange(draft_vocab) + d2t are exactly the ascending ids where t2d is set."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / MAP_FILE
-    fix = "rerun `dvc repro vocab`"
-    if not p.is_file():
-        raise VocabError(f"{p}: vocab map not found; {fix}")
-    t = load_file(str(p))
-    for name in ("d2t", "t2d"):
-        if name not in t:
-            raise VocabError(f"{p}: tensor '{name}' missing; {fix}")
-    d2t, t2d = t["d2t"], t["t2d"]
-    n = draft_vocab_size if draft_vocab_size is not None else d2t.numel()
-    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (n,):
-        raise VocabError(f"{p}: d2t is {d2t.dtype} {list(d2t.shape)}, the draft needs "
-                         f"int64 [{n}] (draft.draft_vocab_size); {fix}")
-    v = vocab_size if vocab_size is not None else t2d.numel()
-    if t2d.dtype != torch.bool or tuple(t2d.shape) != (v,):
-        raise VocabError(f"{p}: t2d is {t2d.dtype} {list(t2d.shape)}, the draft needs "
-                         f"bool [{v}] (verifier vocab_size); {fix}")
-    problem = mapping_problem(d2t, t2d)
-    if problem:
-        raise VocabError(f"{p}: d2t and t2d disagree (target = draft + d2t[draft] must be "
-                         f"exactly the ids t2d marks, in order): {problem}; {fix}")
-    return d2t, t2d
-
-
 def build(train_jsonl: str | Path, draft_vocab_size: int, vocab_size: int, out_dir: str | Path,
           *, progress: bool = True, where: str = "params.yaml") -> dict:
     """The vocab stage: counts, mapping, out_dir/{vocab_map.safetensors, stats.json}.
@@ -156,11 +106,9 @@ def build(train_jsonl: str | Path, draft_vocab_size: int, vocab_size: int, out_d
     return st
 
 
-def run(params, paths) -> None:
+def run(params: StageView, paths: Paths) -> None:
     """The stage (eagle3pipe.stages.runner.main): paths.dataset (train.jsonl), paths.verifier_config,
     paths.out; reads draft.draft_vocab_size."""
-    from eagle3pipe.verifier.handle import VerifierInfo
-
     info = VerifierInfo.from_config(paths.verifier_config)
     build(paths.dataset, params.draft.draft_vocab_size, info.vocab_size, paths.out,
           progress=paths.progress, where=params.where("draft.draft_vocab_size"))

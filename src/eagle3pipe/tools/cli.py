@@ -9,7 +9,7 @@ from pathlib import Path
 
 from eagle3pipe.config import params
 from eagle3pipe.config.schema import Params
-from eagle3pipe.draft import formats
+from eagle3pipe.draft import formats, serving
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, Error
@@ -30,6 +30,8 @@ def cmd_render(args) -> int:
     p, vcfg = _load(args)
     states = formats.render_into(args.out, p.draft, p.verifier.path, vcfg,
                                  params_file=args.params, lines=params.lines_of(p))
+    states |= serving.render_into(args.out, p.vllm, p.verifier.path,
+                                  p.draft.num_speculative_tokens)
     for path, state in states.items():
         print(f"{path}: {state}")
     return EXIT_OK
@@ -59,6 +61,7 @@ def cmd_check(args) -> int:
     arch = derive(p.draft, info, params_file=args.params, lines=lines)
     files = formats.render_files(p.draft, p.verifier.path, vcfg, params_file=args.params,
                                  lines=lines)
+    files |= serving.render_files(p.vllm, p.verifier.path, p.draft.num_speculative_tokens)
     print(f"params: {args.params} valid; verifier config {vcfg}")
     if not args.no_configs:
         found = check.check_rendered(files, args.configs)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3pipe.tools.check import same
 from eagle3pipe.draft.formats import TRAINED_DTYPE
+from eagle3pipe.tools.check import same
 
 # every value a consumer reads from the rendered configs, by its canonical name, with the other
 # names it goes by (each name is also matched kebab-case, camelCase, UPPER_CASE and as a --flag)

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3pipe.verifier import corpus
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.seeds import seed_everything
+from eagle3pipe.verifier import corpus
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PAD, USER, ASSISTANT, END = SPECIAL_TOKENS

@@ -77,8 +77,10 @@ def register_with_transformers() -> None:
     AutoModelForCausalLM as the class it aliases, unless transformers already knows it (a
     checkpoint's own remote code still wins where trust_remote_code is set: its auto_map)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
-                                                 register_checkpoint_conversion_mapping)
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -25,10 +25,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from eagle3pipe.verifier import families
-from eagle3pipe.errors import Error
-from eagle3pipe.errors import Problem
+from eagle3pipe.errors import Error, Problem
 from eagle3pipe.runtime.jsonio import read_json_object
+from eagle3pipe.verifier import families
 
 MANIFEST = "manifest.json"
 EMBEDDED_VERIFIER_DIR = "artifacts/verifier"  # the verifier stage's output
@@ -195,8 +194,8 @@ class Verifier:
         f = self.dir / MANIFEST
         if f.is_file():
             return hashlib.sha256(f.read_bytes()).hexdigest()
-        from eagle3pipe.verifier import fingerprint as fp
         from eagle3pipe.runtime.jsonio import dumps
+        from eagle3pipe.verifier import fingerprint as fp
 
         body = fp.fingerprint(self.model_dir, "headers", progress=False)
         return hashlib.sha256(dumps(body).encode()).hexdigest()

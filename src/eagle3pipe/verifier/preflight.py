@@ -23,6 +23,7 @@ from pathlib import Path
 
 from eagle3pipe.errors import Problem
 from eagle3pipe.verifier import families
+from eagle3pipe.verifier.handle import read_config
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ def check(verifier_dir: str | Path, *, trust_remote_code: bool, dtype: str,
           cpu: bool | None = None) -> tuple[list[Problem], list[Problem]]:
     """(errors, limits) for the checkpoint (config.json and tokenizer files) in verifier_dir:
     an error stops the verifier stage; a limit of this machine's vLLM is logged and recorded."""
-    from eagle3pipe.verifier.handle import read_config
-
     whole, decoder, cfg_path = read_config(verifier_dir)
     found: list[Problem] = []
     remote = ("set vllm.trust_remote_code: true if the checkpoint ships its own code "

@@ -193,7 +193,7 @@ def test_configs_that_disagree_are_rejected(exported, tmp_path):
 
 
 def test_stage_script(exported, tmp_path):
-    from eagle3pipe.errors import EXIT_INPUT as EXIT_CODE
+    from eagle3pipe.errors import EXIT_INPUT
 
     root = exported.root
 
@@ -215,5 +215,5 @@ def test_stage_script(exported, tmp_path):
                 (root / "export" / fmt / name).read_bytes()
     bad = subprocess.run(cmd(tmp_path / "nowhere", tmp_path / "x"), capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
-    assert bad.returncode == EXIT_CODE and "run `dvc repro train`" in bad.stderr, bad.stderr
+    assert bad.returncode == EXIT_INPUT and "run `dvc repro train`" in bad.stderr, bad.stderr
     assert not (tmp_path / "x").exists()

@@ -22,7 +22,7 @@ from eagle3pipe.data import prompts
 from eagle3pipe.engines import acceptance
 from eagle3pipe.stages import smoke, smoke_inputs
 from eagle3pipe.engines import speed
-from eagle3pipe.errors import EXIT_INPUT as EXIT_CODE
+from eagle3pipe.errors import EXIT_INPUT
 
 from helpers.micro import engine_settings
 
@@ -480,7 +480,7 @@ def test_untrained_draft_fails_the_threshold(micro_verifier, tmp_path):
     export = drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
                                  mode="random")
     r = _stage(tmp_path, _params(tmp_path, min_acceptance_length=1.5), export, micro_verifier)
-    assert r.returncode == EXIT_CODE, r.stderr[-4000:]
+    assert r.returncode == EXIT_INPUT, r.stderr[-4000:]
     found = dict(re.findall(r"(vllm|speculators): mean acceptance length ([\d.]+) \(k=3\) is "
                             r"below smoke.min_acceptance_length 1.5", r.stderr))
     assert set(found) == {"vllm", "speculators"}, r.stderr[-4000:]

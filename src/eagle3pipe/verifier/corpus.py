@@ -13,6 +13,8 @@ import random
 import sysconfig
 from pathlib import Path
 
+from eagle3pipe.errors import Error
+
 PARTS = ("train", "prompt", "heldout")
 _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo",
               "ensurepip", "tkinter", "pydoc_data", "encodings"}
@@ -20,6 +22,10 @@ _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+class CorpusError(Error, ValueError):
+    """The standard library cannot supply the text asked of it."""
 
 
 def stdlib_files(root: Path | None = None) -> list[str]:
@@ -32,8 +38,11 @@ def stdlib_files(root: Path | None = None) -> list[str]:
             continue
         out.append(rel.as_posix())
     if not out:
-        raise RuntimeError(f"no Python sources under {root}; the embedded verifier needs the "
-                           "standard library sources (set verifier.path to a real checkpoint)")
+        raise CorpusError(f"no Python sources under {root}: the embedded verifier and the "
+                          "stdlib prompts need the standard library's sources",
+                          fix="install Python with its sources (Debian: python3.11 ships them), "
+                          "or set verifier.path to a real checkpoint and dataset.source / "
+                          "smoke.prompts to prompt files")
     return sorted(out)
 
 
@@ -62,7 +71,9 @@ def snippets(part: str, n: int, *, seed: int, min_lines: int = 4, max_lines: int
             if len(text) >= 40 and text.strip():
                 candidates.append(text[:max_chars])
     if len(candidates) < n:
-        raise RuntimeError(f"only {len(candidates)} snippets in the '{part}' part, {n} wanted; "
-                           "lower the requested count")
+        raise CorpusError(f"only {len(candidates)} snippets in the standard library's "
+                          f"'{part}' part, {n} wanted",
+                          fix="lower dataset.num_samples / smoke.num_prompts, or give "
+                          "dataset.source / smoke.prompts a prompt file")
     rng.shuffle(candidates)
     return candidates[:n]

@@ -58,14 +58,16 @@ def speculative_config(fmt: str, k: int) -> dict[str, Any]:
 
 def cli_args(engine_args: dict[str, Any]) -> list[str]:
     """vLLM's command-line flags for engine arguments: --kebab-case VALUE, true as --flag,
-    false as --no-flag, objects as JSON, None left out (vLLM's default)."""
+    objects as JSON; false and None left out: vLLM's default for each of these engine
+    arguments (some flags, --disable-log-stats, have no --no- form). tests/test_serve.py parses
+    the flags with vLLM's own parser and gets the engine arguments back."""
     out: list[str] = []
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
-        if value is None:
+        if value is None or value is False:
             continue
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
+        if value is True:
+            out.append(flag)
         elif isinstance(value, dict):
             out += [flag, json.dumps(value, sort_keys=True, separators=(",", ":"))]
         else:
@@ -76,8 +78,8 @@ def cli_args(engine_args: dict[str, Any]) -> list[str]:
 def vllm_recipe(fmt: str, settings: dict[str, Any], verifier_path: str | None,
                 k: int) -> dict[str, Any]:
     spec = speculative_config(fmt, k)
-    args = engine.engine_kwargs(settings, verifier_model(verifier_path),
-                                speculative_config=spec, stats=True)
+    args = dict(sorted(engine.engine_kwargs(settings, verifier_model(verifier_path),
+                                            speculative_config=spec, stats=True).items()))
     return {"format": fmt, "draft": export_path(fmt), "num_speculative_tokens": k,
             "engine_args": args,
             "environment": {var: str(settings[key]) for key, var in engine.ENV.items()},

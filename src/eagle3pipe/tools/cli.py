@@ -1,4 +1,5 @@
-"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps` and `gc`.
+"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps`, `gc` and
+`serve`.
 Exit codes: eagle3pipe.errors (0 ok, 1 a check found differences, 2 an input to fix)."""
 from __future__ import annotations
 
@@ -133,6 +134,14 @@ def cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    from eagle3pipe.tools import serve
+
+    return serve.serve(fmt=args.format, host=args.host, port=args.port, params_file=args.params,
+                       configs_dir=args.configs, verifier_dir=args.verifier,
+                       draft=not args.no_draft, timeout=args.timeout, echo=not args.quiet)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3pipe", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -166,10 +175,23 @@ def main(argv: list[str] | None = None) -> int:
                    "unreferenced entry")
     g.add_argument("--dry-run", action="store_true")
     g.add_argument("--repo", default=".", help="the project (its git refs and DVC cache)")
+    sv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server on the verifier with "
+                        "one exported draft, from configs/serve/ (docs/serve.md)")
+    sv.add_argument("--format", choices=("vllm", "speculators"), default="vllm",
+                    help="which export (artifacts/export/<format>)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--params", default="params.yaml")
+    sv.add_argument("--configs", default="configs", help="the derived configs dir")
+    sv.add_argument("--verifier", default="artifacts/verifier", help="the verifier stage's output")
+    sv.add_argument("--no-draft", action="store_true", help="the verifier alone, the same engine "
+                    "arguments (the baseline to compare with)")
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
+    sv.add_argument("--quiet", action="store_true", help="do not echo the server's output")
     args = ap.parse_args(argv)
     try:
         return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan, "deps": cmd_deps,
-                "gc": cmd_gc}[args.cmd](args)
+                "gc": cmd_gc, "serve": cmd_serve}[args.cmd](args)
     except Error as e:
         print(f"eagle3pipe {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_INPUT

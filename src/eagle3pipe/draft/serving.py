@@ -36,8 +36,8 @@ SGLANG_SERVER = ("python", "-m", "sglang.launch_server")
 # engine settings (params' vllm: names) -> SGLang's flag (sglang/srt/server_args.py); the
 # others have no SGLang counterpart of the same meaning
 SGLANG_FLAGS = {"tensor_parallel_size": "--tp-size", "pipeline_parallel_size": "--pp-size",
-                "data_parallel_size": "--dp-size", "dtype": "--dtype",
-                "max_model_len": "--context-length",
+                "data_parallel_size": "--dp-size", "max_model_len": "--context-length",
+                "dtype": "--dtype",  # check: ignore (a flag's name, not a dtype)
                 "gpu_memory_utilization": "--mem-fraction-static", "seed": "--random-seed"}
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.micro import MICRO_EMBEDDED, ROOT
+from helpers.pipeline import make_repo, repro, sh, start_repro, stop_repro
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -43,6 +44,33 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
     shutil.copytree(micro_verifier, dst)
     return dst
 
+
+# ---------------------------------------------------------------------------------------------
+# The one cold run of the micro pipeline through real DVC (slow tests)
+
+@pytest.fixture(scope="session")
+def cold_pair(tmp_path_factory):
+    """Two fresh repos of the micro pipeline, cold-run at the same time, once per session
+    (tests/test_pipeline.py, tests/test_serve.py): the first (committed after its run) is the
+    one the other tests change and serve, each leaving it as committed; the second, still
+    running in the background, is compared with it by
+    test_two_cold_clones_give_identical_lock_hashes."""
+    base = tmp_path_factory.mktemp("pipe")
+    repo, second = make_repo(base / "repo"), make_repo(base / "second")
+    bg = start_repro(second)
+    try:
+        ran = repro(repo)
+        sh(repo, "git", "add", "-A")
+        sh(repo, "git", "commit", "-q", "-m", "cold run")
+        yield repo, ran, second, bg
+    finally:
+        stop_repro(bg)
+
+
+@pytest.fixture(scope="session")
+def micro(cold_pair):
+    """One cold run of the micro pipeline, committed: (repo, the stages that ran)."""
+    return cold_pair[:2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The real micro pipeline through real DVC in temporary git repos: exactly-affected rebuilds,
-run-cache restores, determinism across clones, and sharing outputs through a DVC remote."""
+run-cache restores, determinism across clones, and sharing outputs through a DVC remote. The
+cold run is conftest.py's session fixture (tests/test_serve.py serves its exports)."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,8 @@ import pytest
 
 from eagle3pipe.tools import invalidation as graph
 
-from helpers.pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, make_repo,
-                              out_hashes, repro, set_param, sh, start_repro, stop_repro,
-                              unexplained_skips)
+from helpers.pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, out_hashes,
+                              repro, set_param, sh, unexplained_skips)
 
 pytestmark = pytest.mark.slow
 
@@ -30,29 +30,6 @@ CHANGES = [
     ("extract.dtype", "float32"),
     ("verifier.embedded.train_steps", 20),
 ]
-
-
-@pytest.fixture(scope="module")
-def cold_pair(tmp_path_factory):
-    """Two fresh repos of the micro pipeline, cold-run at the same time: the first (committed
-    after its run) is the one the other tests change; the second, still running in the
-    background, is compared with it by test_two_cold_clones_give_identical_lock_hashes."""
-    base = tmp_path_factory.mktemp("pipe")
-    repo, second = make_repo(base / "repo"), make_repo(base / "second")
-    bg = start_repro(second)
-    try:
-        ran = repro(repo)
-        sh(repo, "git", "add", "-A")
-        sh(repo, "git", "commit", "-q", "-m", "cold run")
-        yield repo, ran, second, bg
-    finally:
-        stop_repro(bg)
-
-
-@pytest.fixture(scope="module")
-def micro(cold_pair):
-    """One cold run of the micro pipeline, committed: (repo, the stages that ran)."""
-    return cold_pair[:2]
 
 
 def test_cold_run_executes_every_stage_and_then_nothing(micro):
@@ -124,14 +101,17 @@ def test_change_reruns_exactly_the_table_row_and_revert_restores(micro, key, val
 
 def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(micro):
     """vllm.gpu_memory_utilization is in the table's engine row (every stage that starts vLLM
-    declares the vllm: section), but it cannot change a number: the three engine stages rerun
-    and write the same bytes, so nothing behind them runs."""
+    declares the vllm: section, and configs renders the serving recipe from it), but it cannot
+    change a number: the three engine stages rerun and write the same bytes, configs rewrites
+    configs/serve/ only, which no stage reads, so nothing behind them runs."""
     repo, _ = micro
     before, old = out_hashes(repo), get_param(repo, "vllm.gpu_memory_utilization")
     set_param(repo, "vllm.gpu_memory_utilization", old / 2)
     try:
-        assert repro(repo) == {"dataset", "extract", "smoke"}
-        assert out_hashes(repo) == before
+        assert repro(repo) == {"configs", "dataset", "extract", "smoke"}
+        assert {p for p, h in out_hashes(repo).items() if before.get(p) != h} <= {
+            "configs/serve/vllm.json", "configs/serve/speculators.json",
+            "configs/serve/sglang.json"}
     finally:
         set_param(repo, "vllm.gpu_memory_utilization", old)
         repro(repo)

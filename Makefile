@@ -13,7 +13,7 @@ export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export PYTHONWARNINGS := ignore::DeprecationWarning,ignore::FutureWarning
 
-.PHONY: setup repro test test-fast check render plots exp diff bench clean
+.PHONY: setup repro test test-fast check render serve plots exp diff bench clean
 
 # SKIP_SETUP=1: use an existing environment as it is (tests run `make` inside temporary clones)
 setup: $(if $(SKIP_SETUP),,$(STAMP))
@@ -46,6 +46,11 @@ check: setup
 
 render: setup
 	eagle3pipe render --out configs
+
+# make serve [FORMAT=speculators] [PORT=8001] [HOST=0.0.0.0]: vLLM's OpenAI server with the draft
+serve: setup
+	eagle3pipe serve $(if $(FORMAT),--format $(FORMAT)) $(if $(PORT),--port $(PORT)) \
+	  $(if $(HOST),--host $(HOST))
 
 plots: setup
 	dvc plots show --open=false

@@ -3,6 +3,7 @@ determinism, output validation, clear errors, and the stage script end to end.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,11 +18,12 @@ from eagle3pipe.stages import extract
 import types
 
 from eagle3pipe.engines import capture
-from eagle3pipe.data import samples
+from eagle3pipe.data import samples, store
 from eagle3pipe.verifier.handle import Verifier
 from eagle3pipe.stages.extract import ExtractError
 from eagle3pipe.data.samples import SamplesError
 
+from helpers import checkpoints
 from helpers.micro import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,13 +309,18 @@ def test_stage_script_end_to_end(micro_verifier, tmp_path):
     with (tmp_path / "params.yaml").open("w") as fh:
         yaml.dump(doc, fh)
 
-    def stage(capture: Path):
+    # a copy of dvc.yaml: the store's counts (its top-level metrics) go next to it, not into
+    # the checkout's metrics/
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+
+    def stage(capture: Path, verifier: Path = micro_verifier, env: dict | None = None):
         return subprocess.run(
             [sys.executable, str(ROOT / "stages" / "extract.py"), "--params",
-             str(tmp_path / "params.yaml"), "--dvc-yaml", str(ROOT / "dvc.yaml"), "--verifier",
-             str(micro_verifier), "--dataset", str(ds), "--capture", str(capture), "--out",
-             str(tmp_path / "hidden"), "--metrics", str(tmp_path / "m" / "extract.json"),
-             "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+             str(tmp_path / "params.yaml"), "--dvc-yaml", str(tmp_path / "dvc.yaml"),
+             "--verifier", str(verifier), "--dataset", str(ds), "--capture", str(capture),
+             "--out", str(tmp_path / "hidden"), "--metrics", str(tmp_path / "m" / "extract.json"),
+             "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env={**os.environ, **(env or {})})
 
     r = stage(cap)
     assert r.returncode == 0, r.stderr
@@ -331,6 +338,16 @@ def test_stage_script_end_to_end(micro_verifier, tmp_path):
     assert r.returncode == 2
     assert "hidden_size=128" in r.stderr and "dvc repro configs" in r.stderr
     assert _files(tmp_path / "hidden") == before  # a failed run leaves the last output intact
+
+    # states no verifier computes (an all-zero embedding): refused, exit 2, no traceback. A
+    # store of its own: the edit keeps the safetensors headers, so under verifier.hash_mode
+    # headers the store would hand back the good verifier's states (which the oracle refuses)
+    zero = checkpoints.degenerate(micro_verifier, tmp_path / "zero", "zero_embedding")
+    r = stage(cap, zero, env={store.STORE_ENV: str(tmp_path / "zero-store")})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "train sample 0 (s0): slot layer_input_1 (layer 1): all zero" in r.stderr
+    assert _files(tmp_path / "hidden") == before
 
 
 def test_oracle_names_the_slot_and_layer_beyond_tolerance(micro_verifier, tmp_path):
@@ -371,3 +388,111 @@ def test_a_samples_states_do_not_depend_on_its_batch(micro_verifier, tmp_path):
         others = dict(capture.hidden_states(llm, prompts[2:], batch_size=3))
     assert all(torch.equal(together[i], alone[i]) for i in range(6))
     assert all(torch.equal(together[i + 2], others[i]) for i in range(4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states that cannot be silently wrong: real degenerate checkpoints through the stage
+
+
+def _store_entries() -> list[Path]:
+    from eagle3pipe.data import store
+
+    return [p for p in store.root().rglob("*") if p.is_file() and p.suffix == ".safetensors"]
+
+
+# kind -> (the first slot refused, its layer, what it holds, the likely cause named)
+DEGENERATE = {
+    "zero_embedding": ("layer_input_1", 1, "all zero at every one of its",
+                       "capture hook is on the wrong tensor"),
+    "inf_embedding": ("layer_input_1", 1, "non-finite (nan/inf) in bfloat16", "dtype overflow"),
+    "constant_embedding": ("layer_input_1", 1, "the same vector at every one of its",
+                           "position-independent tensor"),
+    "identity_layer_1": ("layer_input_2", 2, "to slot layer_input_1 (layer 1)",
+                         "two aux ids resolve to the same layer"),
+}
+
+
+@pytest.mark.parametrize("kind", checkpoints.DEGENERATE)
+def test_degenerate_states_are_refused_and_nothing_is_published(kind, micro_verifier, tmp_path):
+    """A real checkpoint whose states no healthy verifier computes, served by real vLLM: the
+    stage refuses the first such sample, naming it, the slot, its layer and the likely cause,
+    stores none of it and leaves the last output as it was; with the oracle off as on."""
+    assert set(DEGENERATE) == set(checkpoints.DEGENERATE)
+    slot, layer, what, cause = DEGENERATE[kind]
+    ckpt = checkpoints.degenerate(micro_verifier, tmp_path / "verifier", kind)
+    ds, cap = _write_inputs(tmp_path, ckpt)
+    out = tmp_path / "hidden"
+    out.mkdir()
+    (out / "manifest.json").write_text("the last good output\n")
+    oracle = 2 if kind in ("constant_embedding", "identity_layer_1") else 0
+    with pytest.raises(ExtractError) as e:
+        extract.extract(ckpt, ds, cap, out, settings=engine_settings(),
+                        e=section(oracle_samples=oracle), progress=False)
+    msg = str(e.value)
+    assert f"train sample 0 (s0): slot {slot} (layer {layer}): " in msg, msg
+    assert what in msg and cause in msg and "nothing published" in msg, msg
+    assert str(ds / "train.jsonl") in msg and "fix: " in msg
+    assert _files(out) == {"manifest.json": b"the last good output\n"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".hidden.")] == []
+    assert _store_entries() == []  # a refused sample is not kept
+
+
+def test_a_degenerate_store_entry_is_refused_when_reused(extracted, tmp_path):
+    """The states published from the store are checked too (validate_split), not only the
+    ones the engine hands over: a stored sample whose two slots are equal is refused."""
+    root, ds_dir, _, _ = extracted
+    copy = tmp_path / "train"
+    shutil.copytree(root / "hidden" / "train", copy)
+    rows = samples.read(ds_dir / "train.jsonl", 512)
+    extract.validate_split(copy, rows, 4, H, torch.bfloat16, layer_ids=AUX + [LAYERS])
+    f = copy / "hidden_states" / "hs_3.safetensors"
+    data = load_file(f)
+    data["hidden_states"][:, 2] = data["hidden_states"][:, 1]
+    save_file(data, str(f))
+    with pytest.raises(ExtractError, match=r"hs_3.safetensors \(s3\): train sample 3 \(s3\): "
+                       r"slot layer_input_3 \(layer 3\): equal"):
+        extract.validate_split(copy, rows, 4, H, torch.bfloat16, layer_ids=AUX + [LAYERS])
+
+
+def test_check_states_allows_what_healthy_verifiers_compute():
+    """No false alarm: one position, one token repeated (constant states are right), and two
+    slots of the same layer (an aux id equal to the final's)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 4, H, generator=g)
+    extract.check_states(h, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
+    extract.check_states(h[:1], [3], [1, 2, 3, 4], file="f", sample="s")
+    same = h[:1].expand(5, 4, H).clone()
+    extract.check_states(same, [9] * 5, [1, 2, 3, 4], file="f", sample="s")
+    with pytest.raises(ExtractError, match="the same vector at every one of its 5 positions"):
+        extract.check_states(same, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
+    dup = h.clone()
+    dup[:, 3] = dup[:, 2]
+    extract.check_states(dup, [3, 4, 5, 6, 7], [1, 2, 4, 4], file="f", sample="s")
+    with pytest.raises(ExtractError, match=r"slot final_pre_norm \(layer 4\): equal"):
+        extract.check_states(dup, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle fails fast
+
+
+def test_oracle_fails_on_the_first_batch_before_computing_the_rest(micro_verifier, tmp_path,
+                                                                     monkeypatch):
+    """A capture the oracle rejects (here a tolerance below bf16 rounding) fails as soon as
+    the first oracle sample is captured: the engine hands over one sample, not the split."""
+    ds, cap = _write_inputs(tmp_path, micro_verifier)
+    handed: list[int] = []
+    real = capture.hidden_states
+
+    def counting(llm, prompts, *, batch_size):
+        for j, h in real(llm, prompts, batch_size=batch_size):
+            handed.append(j)
+            yield j, h
+
+    monkeypatch.setattr(capture, "hidden_states", counting)
+    with pytest.raises(ExtractError, match=r"beyond extract.oracle_tolerance 1e-09 on train "
+                       r"sample 0 \(s0\), nothing published: layer_input_1 \(layer 1\)"):
+        extract.extract(micro_verifier, ds, cap, tmp_path / "hidden", settings=engine_settings(),
+                        e=section(batch_size=1, oracle_tolerance=1e-9), progress=False)
+    assert handed == [0]
+    assert not (tmp_path / "hidden").exists() and _store_entries() == []

@@ -125,3 +125,48 @@ def _wrap(decoder: dict, out: Path) -> dict:
     return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
             "text_config": decoder, "tie_word_embeddings": False, "vision_config": vision,
             **top}
+
+
+# ---------------------------------------------------------------------------------------------
+# Degenerate variants: a checkpoint of any family (or the micro verifier) with weights edited
+# so that the engine's hidden states are ones no healthy verifier computes (what the extract
+# stage must refuse, tests/test_extract.py): real checkpoints, served by real vLLM.
+# - zero_embedding: every embedding row zero; RMSNorm, attention and MLP of zeros are zeros,
+#   so every slot is all zero.
+# - inf_embedding: every embedding row inf; every slot is nan/inf.
+# - constant_embedding: every embedding row equal to row 1 (nonzero): each position's value
+#   vectors are the same, so attention and MLP give every position the same vector: every slot
+#   is constant across positions although the tokens differ.
+# - identity_layer_<i>: decoder layer i's output projections (attention o_proj, MLP and expert
+#   down_proj) zero: the layer adds nothing to the residual stream, so the stream entering
+#   layer i + 1 equals the one entering layer i (two slots equal).
+DEGENERATE = ("zero_embedding", "inf_embedding", "constant_embedding", "identity_layer_1")
+
+
+def degenerate(src: Path, out: Path, kind: str) -> Path:
+    """A copy of the checkpoint `src` at `out` with its weights edited as `kind` says."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    files = sorted(out.glob("*.safetensors"))
+    edited = 0
+    for f in files:
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if kind.endswith("_embedding") and name.endswith("embed_tokens.weight"):
+                if kind == "zero_embedding":
+                    t.zero_()
+                elif kind == "inf_embedding":
+                    t.fill_(float("inf"))
+                else:
+                    t.copy_(t[1].expand_as(t))
+                edited += 1
+            elif kind.startswith("identity_layer_"):
+                layer = f"layers.{int(kind.rsplit('_', 1)[1])}."
+                if layer in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+                    t.zero_()
+                    edited += 1
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    if not edited:
+        raise ValueError(f"{kind!r}: no tensor of {src} to edit; one of {DEGENERATE}")
+    return out

@@ -236,12 +236,14 @@ def check_states(hidden: torch.Tensor, tokens: list[int], layer_ids: list[int], 
     silently wrong. Vectorised: it runs on every sample."""
     T, S = hidden.shape[0], hidden.shape[1]
     names = slot_names(layer_ids[:-1])
-    finite = torch.isfinite(hidden).all(dim=2).all(dim=0).tolist()
-    zero = (hidden == 0).all(dim=2).all(dim=0).tolist()
-    if T > 1 and len(set(tokens)) > 1:  # one token repeated: constant states are right
-        constant = (hidden == hidden[:1]).all(dim=2).all(dim=0).tolist()
-    else:
-        constant = [False] * S
+    # one pass: each slot's per-feature max and min over the positions ([S, H]); amax/amin
+    # propagate nan, so finite extrema mean finite values
+    hi, lo = hidden.amax(dim=0), hidden.amin(dim=0)
+    finite = (torch.isfinite(hi).all(dim=1) & torch.isfinite(lo).all(dim=1)).tolist()
+    zero = ((hi == 0).all(dim=1) & (lo == 0).all(dim=1)).tolist()
+    constant = (hi == lo).all(dim=1).tolist()
+    if T < 2 or (any(constant) and len(set(tokens)) < 2):
+        constant = [False] * S  # one position, or one token repeated: constant states are right
     found: list[tuple[int, str, str]] = []
     for k in range(S):
         if not finite[k]:
@@ -266,7 +268,7 @@ def check_states(hidden: torch.Tensor, tokens: list[int], layer_ids: list[int], 
     if not found:
         return
     problems = [Problem(file, None, f"{sample}: slot {names[k]} (layer {layer_ids[k]})",
-                        f"{kind}: {what}; likely cause: {DEGENERATE[kind][0]}",
+                        f"{what}; likely cause: {DEGENERATE[kind][0]}",
                         DEGENERATE[kind][1]) for k, kind, what in found]
     raise ExtractError(f"degenerate hidden states for {sample} (nothing published):",
                        problems=problems)

@@ -123,10 +123,13 @@ def _stop(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    try:  # what is left of the group (the engine core) once the server is gone
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # what is left of the group (the engine core)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def serve(*, fmt: str = "vllm", host: str = "127.0.0.1", port: int = 8000,

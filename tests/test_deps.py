@@ -47,14 +47,17 @@ def test_editing_plan_rendering_reruns_no_stage(tmp_path):
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    # the lock as if `dvc repro` had just run on this code: each code dep's md5 its current one
+    # the lock as if `dvc repro` had just run on this code: each stage's code deps are the ones
+    # dvc.yaml lists, with their current md5s
     yaml = YAML()
     lock = yaml.load((repo / "dvc.lock").read_text())
-    for body in lock["stages"].values():
-        for dep in body.get("deps", []):
-            if dep["path"].endswith(".py"):
-                dep["md5"] = hashlib.md5((repo / dep["path"]).read_bytes()).hexdigest()
-                dep["size"] = (repo / dep["path"]).stat().st_size
+    for name, body in dvcfile.stages(repo / "dvc.yaml").items():
+        deps_ = [d for d in lock["stages"][name].get("deps", []) if not d["path"].endswith(".py")]
+        for path in (d for d in body["deps"] if d.endswith(".py")):
+            data = (repo / path).read_bytes()
+            deps_.append({"path": path, "hash": "md5", "md5": hashlib.md5(data).hexdigest(),
+                          "size": len(data)})
+        lock["stages"][name]["deps"] = sorted(deps_, key=lambda d: d["path"])
     with (repo / "dvc.lock").open("w") as fh:
         yaml.dump(lock, fh)
     before = _changed_deps(repo)

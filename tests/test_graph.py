@@ -57,9 +57,10 @@ def test_invalidation_table_rows():
     assert t["smoke.max_tokens"] == ["smoke"]
     assert t["extract.dtype"] == ["extract", "train", "export", "smoke"]
     assert t["verifier.hash_mode"] == ["verifier"]
-    # every engine that runs the verifier reads the vllm: section, and what they feed follows
+    # every engine that runs the verifier reads the vllm: section, and what they feed follows;
+    # configs renders the serving recipe from it (configs/serve/, which no stage reads)
     for key in ("vllm.tensor_parallel_size", "vllm.dtype", "vllm.gpu_memory_utilization"):
-        assert t[key] == ["dataset", "vocab", "extract", "train", "export", "smoke"], key
+        assert t[key] == ["configs", "dataset", "vocab", "extract", "train", "export", "smoke"], key
     assert t["train.nproc_per_node"] == ["train", "export", "smoke"]
     assert "configs" not in t["verifier.embedded.train_steps"]
     assert "configs" in t["verifier.embedded.hidden_size"]

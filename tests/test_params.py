@@ -149,7 +149,8 @@ def test_default_params_render(tmp_path, verifier_json):
     assert rc == 0, err
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*.json")) == sorted(
         ["capture.json", "draft_config.json", "speculators/config.json", "vllm/config.json",
-         "verifier_config.json"])
+         "verifier_config.json", "serve/vllm.json", "serve/speculators.json",
+         "serve/sglang.json"])
 
 
 @pytest.mark.parametrize("needle,new,key,msg", CASES, ids=[f"{c[2]}:{c[1].strip()}" for c in CASES])

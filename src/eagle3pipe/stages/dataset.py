@@ -83,7 +83,7 @@ def closing_token_id(tokenizer) -> int:
 def check_settings(cfg: Any, v: Verifier, where: Callable[[str], str] = lambda key: "params.yaml"
                    ) -> None:
     """Settings problems that would otherwise surface deep inside vLLM. `where(key)` names the
-    params file and line of a key (eagle3pipe.stages.runner.StageView.where)."""
+    params file and line of a key (eagle3pipe.config.view.StageView.where)."""
     need = cfg.max_prompt_tokens + cfg.max_new_tokens + 1  # + a closing token
     if need > cfg.max_seq_len:
         raise DatasetError(

@@ -377,8 +377,8 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
         limit = preflight.eagle3_limit(inp.verifier.config, inp.verifier.config_path,
                                        preflight.on_cpu())
         if limit:  # the verifier stage's preflight reported it up front
-            raise SmokeError(f"{limit.where}: {limit.message} (the exports passed vLLM's "
-                             "engine-less load check)", fix=limit.fix)
+            raise SmokeError(f"{limit.file}: {limit.key}: {limit.message} (the exports passed "
+                             "vLLM's engine-less load check)", fix=limit.fix)
         m = run_engines(s, inp, progress=progress)
     main = {name: r for (name, k), r in m.runs.items() if k == inp.k}
     sources = [p.source for p in inp.prompts]

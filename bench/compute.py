@@ -66,6 +66,7 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
                safetensors file per sample and the datasets table (what the stage writes)
       stage    split + validate_split (the stage reads every file back before publishing)"""
     from eagle3pipe.stages import extract as X
+    from eagle3pipe.stages import extract_checks
 
     torch_dtype = X.DTYPES[dtype]
     from eagle3pipe.engines.capture import tf_capture, tf_decoder
@@ -99,7 +100,7 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
         t0 = time.perf_counter()
         write_split(model, samples, aux_ids, out, torch_dtype, batch_size, pad_id=pad_id)
         if validate:
-            X.validate_split(out, samples, num_slots, H, torch_dtype)
+            extract_checks.validate_split(out, samples, num_slots, H, torch_dtype)
         return time.perf_counter() - t0
 
     fns = {"forward": forward, "capture": capture, "split": split}

@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3pipe.stages import extract
+from eagle3pipe.stages import extract, extract_checks
 import types
 
 from eagle3pipe.engines import capture
 from eagle3pipe.data import samples, store
 from eagle3pipe.verifier.handle import Verifier
-from eagle3pipe.stages.extract import ExtractError
+from eagle3pipe.stages.extract_checks import ExtractError
 from eagle3pipe.data.samples import SamplesError
 
 from helpers import checkpoints
@@ -247,15 +247,15 @@ def test_validation_rejects_nan_and_wrong_tokens(extracted, tmp_path):
     hs_file = root / "hidden" / "train" / "hidden_states" / "hs_2.safetensors"
     data = load_file(hs_file)
     tokens = data["token_ids"].tolist()
-    extract.validate_sample(data, tokens, 4, H, torch.bfloat16)  # the real output passes
+    extract_checks.validate_sample(data, tokens, 4, H, torch.bfloat16)  # the real output passes
     bad = dict(data, hidden_states=data["hidden_states"].clone())
     bad["hidden_states"][1, 2, 3] = float("nan")
     with pytest.raises(ExtractError, match="non-finite"):
-        extract.validate_sample(bad, tokens, 4, H, torch.bfloat16)
+        extract_checks.validate_sample(bad, tokens, 4, H, torch.bfloat16)
     with pytest.raises(ExtractError, match="Token ids don't match"):
-        extract.validate_sample(data, tokens[::-1], 4, H, torch.bfloat16)
+        extract_checks.validate_sample(data, tokens[::-1], 4, H, torch.bfloat16)
     with pytest.raises(ExtractError, match=r"expected torch.bfloat16 \[\d+, 4, 64\]"):
-        extract.validate_sample(dict(data, hidden_states=data["hidden_states"][:, :3]),
+        extract_checks.validate_sample(dict(data, hidden_states=data["hidden_states"][:, :3]),
                                 tokens, 4, H, torch.bfloat16)
     # the split validator reads the files from disk: a corrupted copy is rejected
     copy = tmp_path / "train"
@@ -263,7 +263,7 @@ def test_validation_rejects_nan_and_wrong_tokens(extracted, tmp_path):
     save_file(bad, str(copy / "hidden_states" / "hs_2.safetensors"))
     rows = samples.read(ds_dir / "train.jsonl", 512)
     with pytest.raises(ExtractError, match="hs_2.safetensors"):
-        extract.validate_split(copy, rows, 4, H, torch.bfloat16)
+        extract_checks.validate_split(copy, rows, 4, H, torch.bfloat16)
 
 
 def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_path):
@@ -359,13 +359,13 @@ def test_oracle_names_the_slot_and_layer_beyond_tolerance(micro_verifier, tmp_pa
     model = capture.tf_load(v)
     states = {i: capture.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0]
               for i, r in enumerate(rows)}
-    ok = extract.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    ok = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     assert ok["samples"] == 2 and max(ok["max_rel_error"].values()) < 1e-6, ok
     states[1] = states[1].clone()
     states[1][:, 1] *= 1.1  # slot 1: the residual stream entering layer AUX[1]
     with pytest.raises(ExtractError, match=rf"layer_input_{AUX[1]} \(layer {AUX[1]}\) 0\.1"):
-        extract.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
-    skipped = extract.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=0))
+        extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    skipped = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=0))
     assert skipped == {"samples": 0, "skipped": "extract.oracle_samples is 0"}
 
 
@@ -444,14 +444,14 @@ def test_a_degenerate_store_entry_is_refused_when_reused(extracted, tmp_path):
     copy = tmp_path / "train"
     shutil.copytree(root / "hidden" / "train", copy)
     rows = samples.read(ds_dir / "train.jsonl", 512)
-    extract.validate_split(copy, rows, 4, H, torch.bfloat16, layer_ids=AUX + [LAYERS])
+    extract_checks.validate_split(copy, rows, 4, H, torch.bfloat16, layer_ids=AUX + [LAYERS])
     f = copy / "hidden_states" / "hs_3.safetensors"
     data = load_file(f)
     data["hidden_states"][:, 2] = data["hidden_states"][:, 1]
     save_file(data, str(f))
     with pytest.raises(ExtractError, match=r"hs_3.safetensors \(s3\): train sample 3 \(s3\): "
                        r"slot layer_input_3 \(layer 3\): equal"):
-        extract.validate_split(copy, rows, 4, H, torch.bfloat16, layer_ids=AUX + [LAYERS])
+        extract_checks.validate_split(copy, rows, 4, H, torch.bfloat16, layer_ids=AUX + [LAYERS])
 
 
 def test_check_states_allows_what_healthy_verifiers_compute():
@@ -459,17 +459,17 @@ def test_check_states_allows_what_healthy_verifiers_compute():
     slots of the same layer (an aux id equal to the final's)."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 4, H, generator=g)
-    extract.check_states(h, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
-    extract.check_states(h[:1], [3], [1, 2, 3, 4], file="f", sample="s")
+    extract_checks.check_states(h, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
+    extract_checks.check_states(h[:1], [3], [1, 2, 3, 4], file="f", sample="s")
     same = h[:1].expand(5, 4, H).clone()
-    extract.check_states(same, [9] * 5, [1, 2, 3, 4], file="f", sample="s")
+    extract_checks.check_states(same, [9] * 5, [1, 2, 3, 4], file="f", sample="s")
     with pytest.raises(ExtractError, match="the same vector at every one of its 5 positions"):
-        extract.check_states(same, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
+        extract_checks.check_states(same, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
     dup = h.clone()
     dup[:, 3] = dup[:, 2]
-    extract.check_states(dup, [3, 4, 5, 6, 7], [1, 2, 4, 4], file="f", sample="s")
+    extract_checks.check_states(dup, [3, 4, 5, 6, 7], [1, 2, 4, 4], file="f", sample="s")
     with pytest.raises(ExtractError, match=r"slot final_pre_norm \(layer 4\): equal"):
-        extract.check_states(dup, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
+        extract_checks.check_states(dup, [3, 4, 5, 6, 7], [1, 2, 3, 4], file="f", sample="s")
 
 
 # ---------------------------------------------------------------------------------------------

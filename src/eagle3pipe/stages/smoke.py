@@ -11,17 +11,8 @@ nested one) it
      per-position acceptance rates;
 and measures vLLM's `ngram` (prompt lookup) method on the same prompts with the same k as a
 baseline. It fails when the draft's mean acceptance length is below smoke.min_acceptance_length
-or below smoke.min_gain_over_ngram times ngram's.
-
-k is the exported speculators config's serving default (proposal method `speculative_tokens`),
-so the stage reads no draft params. `smoke.k_sweep` also measures the draft (vllm layout: the
-speculators export holds the same weights) and ngram at other k; the sweep recommends a k, it
-never rewrites one (vLLM takes another k at serving time from the speculative_config's
-`num_speculative_tokens`, without a re-export).
-
-Prompts (eagle3pipe.data.prompts): the held-out stdlib snippets, or a JSONL of chat prompts under
-prompts/ with an optional domain; each domain is generated as one batch, and acceptance and
-speed are reported per domain as well as overall.
+or below smoke.min_gain_over_ngram times ngram's. What it reads, and how k and the prompts are
+chosen: eagle3pipe.stages.smoke_inputs.
 
 Speed (eagle3pipe.engines.speed): every engine of a run lives in this process at once (engine.engines).
 After each engine's first generation (the counted one: lossless check and acceptance counters,

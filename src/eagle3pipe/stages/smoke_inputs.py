@@ -1,6 +1,17 @@
 """The smoke stage's inputs: the exported drafts, the serving k and its sweep, the evaluation
 prompts and the engine settings, read and checked before any engine starts
-(eagle3pipe.stages.smoke runs them)."""
+(eagle3pipe.stages.smoke runs them).
+
+k is the exported speculators config's serving default (proposal method `speculative_tokens`),
+so the stage reads no draft params. `smoke.k_sweep` also measures the draft (vllm layout: the
+speculators export holds the same weights) and ngram at other k; the sweep recommends a k, it
+never rewrites one (vLLM takes another k at serving time from the speculative_config's
+`num_speculative_tokens`, without a re-export).
+
+Prompts (eagle3pipe.data.prompts): the held-out stdlib snippets, or a JSONL of chat prompts under
+prompts/ with an optional domain; each domain is generated as one batch, and acceptance and
+speed are reported per domain as well as overall.
+"""
 from __future__ import annotations
 
 import logging

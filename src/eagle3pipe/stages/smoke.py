@@ -14,11 +14,10 @@ baseline. It fails when the draft's mean acceptance length is below smoke.min_ac
 or below smoke.min_gain_over_ngram times ngram's. What it reads, and how k and the prompts are
 chosen: eagle3pipe.stages.smoke_inputs.
 
-Speed (eagle3pipe.engines.speed): every engine of a run lives in this process at once (engine.engines).
-After each engine's first generation (the counted one: lossless check and acceptance counters,
-on a fresh engine), `smoke.timing_rounds` rounds follow in which the non-speculative engine and
-every speculative engine of a k generate the whole prompt set once each, in alternating order
-(A B C, C B A, ...), so that other work on the machine slows every method alike.
+The engines and the order they run in: eagle3pipe.stages.smoke_engines; speed:
+eagle3pipe.engines.speed. Training and serving must agree: the draft's acceptance in vLLM on the
+training data's eval split beside the trainer's estimate on it (eagle3pipe.stages.smoke_agreement);
+a gap above smoke.max_train_serve_gap fails the stage, and the figure is in metrics/smoke.json.
 
 Outputs: metrics/smoke.json is deterministic (counts and 4-decimal floats, no timings);
 wall-clock figures go to metrics/smoke_timing.json, and the plot data to plots/ (acceptance per
@@ -29,29 +28,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-from tqdm import tqdm
 
 from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.engines import engine
-from eagle3pipe.engines.acceptance import (
-    ROUND,
-    acceptance,
-    counter_delta,
-    counter_sum,
-    mismatches,
-    read_counters,
-)
-from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass, timing_of
+from eagle3pipe.engines.acceptance import ROUND, acceptance, mismatches
+from eagle3pipe.engines.speed import REFERENCE, timing_of
 from eagle3pipe.runtime.jsonio import dumps, write_json
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.seeds import seed_everything
 from eagle3pipe.stages import estimate as E
+from eagle3pipe.stages import smoke_agreement as agreement
 from eagle3pipe.stages.runner import Paths
+from eagle3pipe.stages.smoke_engines import EngineRun, Measured, run_engines
 from eagle3pipe.stages.smoke_inputs import (
     FORMATS,
     NGRAM,
@@ -70,139 +62,6 @@ log = logging.getLogger("eagle3pipe.stages.smoke")
 TIMING_NAME = "smoke_timing.json"
 K_ACCEPTANCE_NAME = "smoke_k_acceptance.json"
 K_SPEEDUP_NAME = "smoke_k_speedup.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# engines
-
-
-@dataclass
-class EngineRun:
-    name: str
-    token_ids: list[list[int]]
-    counters: dict[str, Any] = field(default_factory=dict)  # summed over domains
-    start_s: float = 0.0
-    generate_s: float = 0.0
-    domain_counters: dict[str, dict] = field(default_factory=dict)
-    domain_tokens: dict[str, int] = field(default_factory=dict)
-
-
-def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
-    """The prompt set through one engine, one greedy batch per domain, each batch timed; with
-    `counted`, vLLM's spec-decode counter deltas per domain (valid for the engine started
-    last: see engine.Engines.start)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sampling = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, seed=s.seed)
-    ids: list[list[int]] = [[] for _ in inp.prompts]
-    out = Pass(ids, {}, {})
-    for domain, idx in inp.domains.items():
-        before = read_counters(llm) if counted else None
-        t0 = time.perf_counter()
-        res = llm.generate([TokensPrompt(prompt_token_ids=inp.prompts[i].ids) for i in idx],
-                           sampling, use_tqdm=False)
-        out.seconds[domain] = time.perf_counter() - t0
-        for i, r in zip(idx, res):
-            ids[i] = list(r.outputs[0].token_ids)
-        out.tokens[domain] = sum(len(ids[i]) for i in idx)
-        if counted:
-            out.counters[domain] = counter_delta(before, read_counters(llm))
-    return out
-
-
-def speculative_configs(s, inp: Inputs, k: int | None = None,
-                        names: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """The speculative engines at k (default: the serving k), by name: each exported format's
-    draft, then vLLM's ngram; `names` keeps only those."""
-    k = inp.k if k is None else k
-    out: dict[str, dict] = {fmt: {"method": "eagle3", "model": str(d),
-                                  "num_speculative_tokens": k}
-                            for fmt, d in inp.exports.items()}
-    out[NGRAM] = {"method": "ngram", "num_speculative_tokens": k,
-                  "prompt_lookup_min": s.ngram_prompt_lookup_min,
-                  "prompt_lookup_max": s.ngram_prompt_lookup_max}
-    return {n: c for n, c in out.items() if names is None or n in names}
-
-
-def label(name: str) -> str:
-    return name if name in (NGRAM, REFERENCE) else f"eagle3 ({name})"
-
-
-@dataclass
-class Measured:
-    """What the engines produced: the reference, the counted run of every speculative engine
-    by (name, k), and every timed pass by (name, k) (the reference's by the k of its round)."""
-    reference: EngineRun
-    runs: dict[tuple[str, int], EngineRun]
-    timed: dict[tuple[str, int], list[Pass]]
-    seconds: dict[str, float]
-    other_cpu_share: float | None = None  # other processes' CPU share during the timed rounds
-
-
-def groups(s, inp: Inputs) -> list[tuple[int, dict[str, dict]]]:
-    """(k, speculative configs) of each round group: every method at the serving k, then the
-    swept methods at each other k of the sweep."""
-    out = [(inp.k, speculative_configs(s, inp))]
-    out += [(k, speculative_configs(s, inp, k, SWEPT)) for k in inp.sweep if k != inp.k]
-    return out
-
-
-def run_engines(s, inp: Inputs, *, progress: bool = True) -> Measured:
-    """All engines in this process: the non-speculative reference stays up for the whole run;
-    each group of speculative engines (one k) starts, makes its counted pass, then
-    smoke.timing_rounds rounds alternate the reference and the group's engines."""
-    plan = groups(s, inp)
-    rounds = s.timing_rounds
-    total = 1 + sum(len(g) + rounds * (len(g) + 1) for _, g in plan)
-    runs: dict[tuple[str, int], EngineRun] = {}
-    timed: dict[tuple[str, int], list[Pass]] = {}
-    seconds = {"engine_start": 0.0, "counted": 0.0, "timed": 0.0}
-    bar = tqdm(total=total, desc="smoke: generate", unit="pass", disable=not progress,
-               mininterval=1.0)
-    meter = CpuMeter()
-
-    def start(pool, name, k, spec):
-        t0 = time.perf_counter()
-        llm = pool.start(spec)
-        dt = time.perf_counter() - t0
-        seconds["engine_start"] += dt
-        log.info("%s (k=%s): engine start %.1f s", label(name), k if spec else "-", dt)
-        return llm, dt
-
-    with engine.engines(inp.settings, inp.model_dir, threads=s.threads, stats=True) as pool:
-        ref_llm, ref_start = start(pool, REFERENCE, 0, None)
-        t0 = time.perf_counter()
-        first = generate(ref_llm, inp, s, counted=False)
-        seconds["counted"] += time.perf_counter() - t0
-        bar.update()
-        reference = EngineRun(REFERENCE, first.token_ids, start_s=ref_start,
-                              generate_s=sum(first.seconds.values()),
-                              domain_tokens=first.tokens)
-        for k, specs in plan:
-            llms = {}
-            for name, spec in specs.items():
-                llm, dt = start(pool, name, k, spec)
-                t0 = time.perf_counter()
-                p = generate(llm, inp, s, counted=True)  # before the next start (its counters)
-                seconds["counted"] += time.perf_counter() - t0
-                bar.update()
-                runs[(name, k)] = EngineRun(name, p.token_ids, counter_sum(list(p.counters.values())),
-                                            dt, sum(p.seconds.values()), p.counters, p.tokens)
-                llms[name] = llm
-            order = [(REFERENCE, ref_llm), *llms.items()]
-            t0 = time.perf_counter()
-            meter.resume()
-            for r in range(rounds):
-                for name, llm in (order if r % 2 == 0 else order[::-1]):
-                    timed.setdefault((name, k), []).append(generate(llm, inp, s, counted=False))
-                    bar.update()
-            meter.pause()
-            seconds["timed"] += time.perf_counter() - t0
-            for llm in llms.values():
-                pool.stop(llm)
-    bar.close()
-    return Measured(reference, runs, timed, seconds, meter.other_share())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +146,7 @@ def domain_metrics(inp: Inputs, m: Measured) -> dict[str, dict]:
 
 def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *,
                passed: bool, sweep: dict[str, dict] | None = None,
-               domains: dict[str, dict] | None = None) -> dict:
+               domains: dict[str, dict] | None = None, agreed: dict | None = None) -> dict:
     """metrics/smoke.json: counts, acceptance and verdicts, the thresholds; no timings."""
     out = {
         "num_speculative_tokens": inp.k,
@@ -302,14 +161,26 @@ def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *
         "mean_acceptance_length": {name: results[name]["mean_acceptance_length"]
                                    for name in results},
         "thresholds": {"min_acceptance_length": s.min_acceptance_length,
-                       "min_gain_over_ngram": s.min_gain_over_ngram},
+                       "min_gain_over_ngram": s.min_gain_over_ngram,
+                       "max_train_serve_gap": s.max_train_serve_gap},
         "passed": passed,
     }
+    if agreed is not None:
+        out["train_serve_agreement"] = agreed
     if sweep:
         out["k_sweep"] = sweep
     if domains is not None:
         out["domains"] = domains
     return out
+
+
+def agreement_of(s, k: int, run: EngineRun, prompts: list, trained: list[float],
+                 source: str) -> tuple[dict, str | None]:
+    """The draft's acceptance on the eval split beside the trainer's (smoke_agreement)."""
+    served = acceptance(run.counters, k, sum(map(len, run.token_ids)))
+    equal = sum(got == p.reply for got, p in zip(run.token_ids, prompts))
+    return agreement.compare(served, trained, k, tolerance=s.max_train_serve_gap,
+                             prompts=len(prompts), replies_equal=equal, source=source)
 
 
 def plot_rows(results: dict[str, dict]) -> list[dict]:
@@ -353,15 +224,22 @@ class Outputs:
 
 
 def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
-            plots_path: str | Path, outputs: Outputs | None = None, progress: bool = True,
+            dataset_dir: str | Path, train_metrics: str | Path, plots_path: str | Path,
+            outputs: Outputs | None = None, progress: bool = True,
             where: Callable[[str], str] = default_where) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
-    (engine.settings_of). Writes the plot data (and the timing file when `outputs` names one)
-    and returns the metrics; raises SmokeError (with .metrics) when a check fails."""
+    (engine.settings_of), `dataset_dir` and `train_metrics` the dataset stage's output and the
+    trainer's metrics file (the agreement check). Writes the plot data (and the timing file
+    when `outputs` names one) and returns the metrics; raises SmokeError (with .metrics) when a
+    check fails."""
     t_stage = time.perf_counter()
     engine.environment(settings)  # before anything imports vLLM
     seed_everything(s.seed, s.threads)
     inp = read_inputs(s, settings, export_dir, verifier_dir, where)
+    eval_prompts = agreement.read_eval(dataset_dir, s.agreement_prompts,
+                                       inp.verifier.info.vocab_size, settings["max_model_len"],
+                                       inp.k)
+    trained = agreement.read_training(train_metrics)
     # one freeze of the imports' objects for the load checks and every engine
     with engine.frozen_heap():
         check_loads(s, inp)
@@ -370,15 +248,18 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
         if limit:  # the verifier stage's preflight reported it up front
             raise SmokeError(f"{limit.file}: {limit.key}: {limit.message} (the exports passed "
                              "vLLM's engine-less load check)", fix=limit.fix)
-        m = run_engines(s, inp, progress=progress)
+        m = run_engines(s, inp, eval_prompts, progress=progress)
     main = {name: r for (name, k), r in m.runs.items() if k == inp.k}
     sources = [p.source for p in inp.prompts]
     results, failures = judge(s, inp.k, m.reference, main, inp.tokenizer.decode, sources)
     sweep, sweep_failures = judge_sweep(inp, m, inp.tokenizer.decode)
     failures += sweep_failures
     domains = domain_metrics(inp, m) if s.prompts is not None else None
+    agreed, gap_failure = agreement_of(s, inp.k, m.agreement, eval_prompts, trained,
+                                       str(Path(dataset_dir) / agreement.EVAL_SPLIT))
+    failures += [gap_failure] if gap_failure else []
     metrics = metrics_of(s, inp, m.reference, results, passed=not failures, sweep=sweep,
-                         domains=domains)
+                         domains=domains, agreed=agreed)
     log.info("engine starts: %s", ", ".join(
         f"{n} {r.start_s:.1f} s" for n, r in [(REFERENCE, m.reference), *main.items()]))
     if failures:
@@ -428,11 +309,13 @@ def report(inp: Inputs, metrics: dict, timing: dict) -> None:
 
 
 def run(params: StageView, paths: Paths) -> dict:
-    """The stage (eagle3pipe.stages.runner.main): paths.export, .verifier -> paths.plots, and
+    """The stage (eagle3pipe.stages.runner.main): paths.export, .verifier, .dataset,
+    .train_metrics -> paths.plots, and
     beside paths.metrics and paths.plots the timing file and the k sweep's plots (Outputs.beside,
     the names dvc.yaml gives them); returns the metrics (the runner writes paths.metrics)."""
     return measure(params.smoke, engine.settings_of(params.vllm), export_dir=paths.export,
-                   verifier_dir=paths.verifier, plots_path=paths.plots,
+                   verifier_dir=paths.verifier, dataset_dir=paths.dataset,
+                   train_metrics=paths.train_metrics, plots_path=paths.plots,
                    outputs=Outputs.beside(paths.metrics, paths.plots), progress=paths.progress,
                    where=params.where)
 

@@ -296,11 +296,11 @@ def test_every_leaf_key_is_declared_by_some_stage():
 
 
 def test_stage_view_names_never_shadow_a_params_key():
-    """A view's own attributes (params_file, key_lines, where, for_validation) win over params
-    keys of the same name: none may be one."""
+    """A view's own attributes (params_file, key_lines, params_at, for_validation) win over
+    params keys of the same name: none may be one."""
     own = {n for n in dir(view.StageView) if not n.startswith("_")}
     clash = {k for k in P.leaf_keys() for part in k.split(".") if part in own}
-    assert own >= {"params_file", "key_lines", "where", "for_validation"} and not clash, clash
+    assert own >= {"params_file", "key_lines", "params_at", "for_validation"} and not clash, clash
 
 
 # ---- docs/inputs.md: the table of every malformed input the suite tries, generated from the

@@ -22,7 +22,7 @@ from eagle3pipe.data import prompts
 from eagle3pipe.engines import acceptance
 from eagle3pipe.stages import smoke, smoke_agreement, smoke_inputs
 from eagle3pipe.engines import speed
-from eagle3pipe.errors import EXIT_INPUT
+from eagle3pipe.errors import EXIT_INPUT, ParamsAt
 
 from helpers.micro import engine_settings
 
@@ -94,7 +94,7 @@ def test_k_sweep_is_checked_and_includes_the_serving_k():
 
     def ks(sweep):
         return smoke_inputs.sweep_ks(types.SimpleNamespace(k_sweep=sweep), 3,
-                              lambda key: "params.yaml:99")
+                                     ParamsAt("params.yaml", {"smoke.k_sweep": 99}))
 
     assert ks([5, 1, 2]) == [1, 2, 3, 5] and ks([]) == []
     with pytest.raises(smoke_inputs.SmokeError, match=r"params.yaml:99: smoke.k_sweep: 0 is not a "
@@ -217,7 +217,8 @@ def test_bad_prompt_line_names_file_line_and_fix(micro_verifier, tmp_path, what,
     raw = line if isinstance(line, bytes) else line.encode()
     path.write_bytes(_line(USER, domain="ok").encode() + b"\n\n" + raw + b"\n")
     with pytest.raises(prompts.PromptsError) as e:
-        prompts.read_prompts(path, _tokenizer(micro_verifier), 10, lambda key: "params.yaml:7")
+        prompts.read_prompts(path, _tokenizer(micro_verifier), 10,
+                             ParamsAt("params.yaml", {"smoke.prompts": 7}))
     msg = str(e.value)
     assert msg.startswith(f"{path}:3: ") and re.search(message, msg), msg
     assert "smoke.prompts at params.yaml:7" in msg and "\n    fix: " in msg, msg
@@ -257,7 +258,7 @@ def test_prompts_must_lie_in_the_stages_dvc_dep(tmp_path, monkeypatch):
                 "prompts/../elsewhere.jsonl", "prompts"):
         with pytest.raises(prompts.PromptsError, match=r"params.yaml:3: smoke.prompts: .* is "
                                                        r"not inside prompts/[\s\S]*fix: put"):
-            prompts.prompts_path(bad, lambda key: "params.yaml:3")
+            prompts.prompts_path(bad, ParamsAt("params.yaml", {"smoke.prompts": 3}))
     with pytest.raises(prompts.PromptsError, match=r"prompts/y.jsonl not found"):
         prompts.prompts_path("prompts/y.jsonl")
 

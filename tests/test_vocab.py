@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3pipe.errors import ParamsAt
 from eagle3pipe.draft import vocab_map
 from eagle3pipe.stages import vocab
 from eagle3pipe.data.samples import SamplesError
@@ -85,9 +86,10 @@ def test_build_writes_deterministic_files(tmp_path):
 
 def test_draft_vocab_larger_than_vocab_refused(tmp_path):
     f = write_samples(tmp_path / "train.jsonl", [([1, 2], [1, 1])])
-    with pytest.raises(VocabError, match=r"params.yaml:41: draft.draft_vocab_size \(65\) "
+    with pytest.raises(VocabError, match=r"params.yaml:41: draft.draft_vocab_size: 65 "
                                          r"exceeds the verifier's vocab_size \(64\)"):
-        vocab.build(f, 65, 64, tmp_path / "out", progress=False, where="params.yaml:41")
+        vocab.build(f, 65, 64, tmp_path / "out", progress=False,
+                    at=ParamsAt("params.yaml", {"draft.draft_vocab_size": 41}))
     assert not (tmp_path / "out").exists()
 
 
@@ -128,5 +130,5 @@ def test_stage_script_refuses_draft_vocab_larger_than_vocab(tmp_path):
                         "--out", "vocab"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
-    assert f"params.yaml:{lineno}: draft.draft_vocab_size (1024) exceeds" in r.stderr
+    assert f"params.yaml:{lineno}: draft.draft_vocab_size: 1024 exceeds" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "vocab").exists()

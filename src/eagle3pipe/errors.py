@@ -8,7 +8,8 @@ with EXIT_INPUT. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 # the exit codes of every stage and every CLI command (docs/check.md)
 EXIT_OK = 0
@@ -31,6 +32,23 @@ class Problem:
         where = f"{self.file}:{self.line}" if self.line else self.file
         text = f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
         return text + (f"\n    fix: {self.fix}" if self.fix else "")
+
+
+@dataclass(frozen=True)
+class ParamsAt:
+    """Where a run's params are written: the params file and the line of each dotted key
+    (a stage's view gives its own: StageView.params_at). Makes the Problem for a key, and names
+    a key's place in a message that is about another file."""
+
+    file: str = "params.yaml"
+    lines: Mapping[str, int | None] = field(default_factory=dict)
+
+    def where(self, key: str) -> str:
+        line = self.lines.get(key)
+        return f"{self.file}:{line}" if line else self.file
+
+    def problem(self, key: str, message: str, fix: str = "") -> Problem:
+        return Problem(self.file, self.lines.get(key), key, message, fix)
 
 
 class Error(Exception):

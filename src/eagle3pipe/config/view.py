@@ -13,7 +13,7 @@ from typing import Any
 
 from eagle3pipe.config import dvcfile
 from eagle3pipe.config import params as P
-from eagle3pipe.errors import Error
+from eagle3pipe.errors import Error, ParamsAt
 
 
 class UndeclaredParamError(Error, KeyError):
@@ -73,10 +73,10 @@ class StageView:
         """Line numbers of every loaded key (for error messages; reading them reads no value)."""
         return getattr(self._root, "_lines", {})
 
-    def where(self, key: str) -> str:
-        """'params.yaml:LINE' for a dotted key, for error messages."""
-        line = self.key_lines.get(key)
-        return self.params_file + (f":{line}" if line else "")
+    @property
+    def params_at(self) -> ParamsAt:
+        """The params file and its keys' lines, for located problems (errors.ParamsAt)."""
+        return ParamsAt(self.params_file, self.key_lines)
 
     def for_validation(self, section: str) -> Any:
         """A whole section for a cross-check that can only refuse, never change an output (the

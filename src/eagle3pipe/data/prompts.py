@@ -11,14 +11,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
 from eagle3pipe.data import samples
 from eagle3pipe.data.samples import json_type, message_problem
 from eagle3pipe.data.samples import parse_line as parse_json_line
-from eagle3pipe.errors import Error, Problem
+from eagle3pipe.errors import Error, ParamsAt, Problem
 from eagle3pipe.verifier import corpus
 
 PROMPTS_DIR = "prompts"  # a dep of the smoke stage in dvc.yaml: smoke.prompts must lie in it
@@ -33,10 +33,6 @@ class PromptsError(Error, ValueError):
 
 
 log = logging.getLogger(__name__)
-
-
-def _default_where(key: str) -> str:
-    return "params.yaml"
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
     return [chat_ids(tok, [{"role": "user", "content": text}]) for text in texts]
 
 
-def prompts_path(value: str, where: Callable[[str], str] = _default_where) -> Path:
+def prompts_path(value: str, at: ParamsAt = ParamsAt()) -> Path:
     """smoke.prompts as a path inside prompts/ (the stage's DVC dep, so that editing the file
     reruns the stage); any other place is refused."""
     fix = (f"put the file under {PROMPTS_DIR}/ (a dep of the smoke stage in dvc.yaml: DVC "
@@ -74,14 +70,14 @@ def prompts_path(value: str, where: Callable[[str], str] = _default_where) -> Pa
     rel = os.path.normpath(value)
     parts = Path(rel).parts
     if os.path.isabs(value) or len(parts) < 2 or parts[0] != PROMPTS_DIR:
-        raise PromptsError(f"{where('smoke.prompts')}: smoke.prompts: {value} is not inside "
-                         f"{PROMPTS_DIR}/, so DVC would not rerun the smoke stage when it "
-                         "changes", fix=fix)
+        raise PromptsError(problems=[at.problem(
+            "smoke.prompts", f"{value} is not inside {PROMPTS_DIR}/, so DVC would not rerun "
+            "the smoke stage when it changes", fix)])
     path = Path(rel)
     if not path.is_file():
         state = "is not a file" if path.exists() else "not found"
-        raise PromptsError(f"{where('smoke.prompts')}: smoke.prompts: {path} {state} (relative "
-                         "to the project root)", fix=fix)
+        raise PromptsError(problems=[at.problem(
+            "smoke.prompts", f"{path} {state} (relative to the project root)", fix)])
     return path
 
 
@@ -111,12 +107,11 @@ def _prompt_problem(row: Any) -> tuple[str, str] | None:
     return None
 
 
-def read_prompts(path: Path, tok, limit: int, where: Callable[[str], str] = _default_where
-                 ) -> list[Prompt]:
+def read_prompts(path: Path, tok, limit: int, at: ParamsAt = ParamsAt()) -> list[Prompt]:
     """The first `limit` prompts of a JSONL of chat prompts; a bad line is an error naming
     file:line, the fix and the params key. The JSON of each line is read by the project's one
     JSON-line parser (samples.parse_line) and its turns by samples.message_problem."""
-    key = f"smoke.prompts at {where('smoke.prompts')}"
+    key = f"smoke.prompts at {at.where('smoke.prompts')}"
     out: list[Prompt] = []
     try:
         fh = path.open("rb")
@@ -144,14 +139,14 @@ def read_prompts(path: Path, tok, limit: int, where: Callable[[str], str] = _def
     return out
 
 
-def load(s, tok, where: Callable[[str], str] = _default_where) -> tuple[list[Prompt], str]:
+def load(s, tok, at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], str]:
     """The prompts of the params' `smoke` section and where they came from."""
     if s.prompts is None:
         return [Prompt(ids, f"stdlib held-out prompt {i}", domain=STDLIB_DOMAIN)
                 for i, ids in enumerate(build_prompts(tok, s.num_prompts, s.seed))], \
             STDLIB_SOURCE
-    path = prompts_path(s.prompts, where)
-    return read_prompts(path, tok, s.num_prompts, where), str(path)
+    path = prompts_path(s.prompts, at)
+    return read_prompts(path, tok, s.num_prompts, at), str(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,24 +286,23 @@ def _parse_line(raw: bytes, file: str, lineno: int, cfg: Any, tokenizer) -> Prom
 
 
 def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = True,
-                  where: Callable[[str], str] = lambda key: "params.yaml"
-                  ) -> tuple[list[Prompt], ReadReport]:
+                  at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], ReadReport]:
     """Prompts from a JSONL of conversations: at most cfg.num_samples non-blank lines are read;
     blank lines are ignored (their numbers still count). Bad lines raise BadInputError
-    (on_bad_input: error) or are counted by reason and skipped (skip). `where(key)` names the
-    params file and line of a key."""
+    (on_bad_input: error) or are counted by reason and skipped (skip). `at` locates the params
+    keys (StageView.params_at)."""
     path = Path(path)
     fix = ('point it at a JSONL file of {"messages": [...]} lines, or null for stdlib prompts')
     if not path.is_file():
         state = "is not a file" if path.exists() else "not found"
-        raise PromptsError(f"{where('dataset.source')}: dataset.source: {path} {state}", fix)
+        raise PromptsError(problems=[at.problem("dataset.source", f"{path} {state}", fix)])
     report = ReadReport(source=str(path))
     prompts: list[Prompt] = []
     try:
         fh = path.open("rb")
     except OSError as e:
-        raise PromptsError(f"{where('dataset.source')}: dataset.source: {path}: cannot read it "
-                           f"({e.strerror})", fix) from None
+        raise PromptsError(problems=[at.problem(
+            "dataset.source", f"{path}: cannot read it ({e.strerror})", fix)]) from None
     with fh:
         bar = tqdm(total=cfg.num_samples, desc="dataset: read", disable=not progress,
                    mininterval=1.0)
@@ -328,5 +322,5 @@ def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = Tru
         bar.close()
     if report.read == 0:
         raise PromptsError(f"{path}: no conversation in it (empty, or only blank lines); "
-                           f"dataset.source at {where('dataset.source')}", fix)
+                           f"dataset.source at {at.where('dataset.source')}", fix)
     return prompts, report

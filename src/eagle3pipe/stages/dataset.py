@@ -42,7 +42,7 @@ from eagle3pipe.data import store
 from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
 from eagle3pipe.data.samples import write_jsonl
 from eagle3pipe.engines import engine
-from eagle3pipe.errors import Error
+from eagle3pipe.errors import Error, ParamsAt
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
@@ -80,23 +80,22 @@ def closing_token_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
-def check_settings(cfg: Any, v: Verifier, where: Callable[[str], str] = lambda key: "params.yaml"
-                   ) -> None:
-    """Settings problems that would otherwise surface deep inside vLLM. `where(key)` names the
-    params file and line of a key (eagle3pipe.config.view.StageView.where)."""
+def check_settings(cfg: Any, v: Verifier, at: ParamsAt = ParamsAt()) -> None:
+    """Settings problems that would otherwise surface deep inside vLLM, located in the params
+    file `at` (eagle3pipe.config.view.StageView.params_at)."""
+    key = "dataset.max_seq_len"
     need = cfg.max_prompt_tokens + cfg.max_new_tokens + 1  # + a closing token
     if need > cfg.max_seq_len:
-        raise DatasetError(
-            f"{where('dataset.max_seq_len')}: dataset.max_seq_len ({cfg.max_seq_len}) is shorter "
-            f"than dataset.max_prompt_tokens ({cfg.max_prompt_tokens}) + dataset.max_new_tokens "
-            f"({cfg.max_new_tokens}) + 1 closing token", f"raise dataset.max_seq_len to at "
-            f"least {need} or lower the others")
+        raise DatasetError(problems=[at.problem(
+            key, f"{cfg.max_seq_len} is shorter than dataset.max_prompt_tokens "
+            f"({cfg.max_prompt_tokens}) + dataset.max_new_tokens ({cfg.max_new_tokens}) + 1 "
+            f"closing token", f"raise dataset.max_seq_len to at least {need} or lower the "
+            "others")])
     max_pos = v.get("max_position_embeddings")
     if isinstance(max_pos, int) and cfg.max_seq_len > max_pos:
-        raise DatasetError(
-            f"{where('dataset.max_seq_len')}: dataset.max_seq_len ({cfg.max_seq_len}) exceeds the "
-            f"verifier's max_position_embeddings ({max_pos}, {v.config_path})",
-            f"set dataset.max_seq_len <= {max_pos}")
+        raise DatasetError(problems=[at.problem(
+            key, f"{cfg.max_seq_len} exceeds the verifier's max_position_embeddings "
+            f"({max_pos}, {v.config_path})", f"set dataset.max_seq_len <= {max_pos}")])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +204,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Path, *,
-          progress: bool = True, where: Callable[[str], str] = lambda key: "params.yaml",
+          progress: bool = True, at: ParamsAt = ParamsAt(),
           record_to: Path | None = None) -> dict:
     """The dataset stage. `cfg` is the params' `dataset` section, `settings` the engine's
     (eagle3pipe.engines.engine.settings_of(params.vllm)). Writes out_dir/{train,eval}.jsonl
@@ -213,12 +212,11 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tokenizer = v.tokenizer()
-    check_settings(cfg, v, where)
+    check_settings(cfg, v, at)
     if cfg.source is None:
         prompts, report = stdlib_prompts(cfg, tokenizer, progress=progress)
     else:
-        prompts, report = jsonl_prompts(cfg.source, cfg, tokenizer, progress=progress,
-                                        where=where)
+        prompts, report = jsonl_prompts(cfg.source, cfg, tokenizer, progress=progress, at=at)
     skipped = sum(report.skipped_by_reason.values())
     if not prompts:
         reasons = ", ".join(f"{k}: {v}" for k, v in report.skipped_by_reason.items() if v)
@@ -229,7 +227,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
         raise DatasetError(f"{report.source}: {len(prompts)} usable conversation(s); "
                            f"dataset.eval_fraction {cfg.eval_fraction} needs at least 2 (one "
                            "train, one eval)", fix=f"raise dataset.num_samples "
-                           f"({where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
+                           f"({at.where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
     log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
     keys = reply_keys(v, prompts, cfg, settings)
@@ -284,7 +282,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
 def run(params: StageView, paths: Paths) -> dict:
     """The stage (eagle3pipe.stages.runner.main): paths.verifier -> paths.out; returns the metrics."""
     return build(params.dataset, engine.settings_of(params.vllm), paths.verifier, paths.out,
-                 progress=paths.progress, where=params.where,
+                 progress=paths.progress, at=params.params_at,
                  record_to=store.counts_path("dataset", paths.dvc_yaml))
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.engines import engine
+from eagle3pipe.errors import ParamsAt
 from eagle3pipe.engines.acceptance import ROUND, acceptance, mismatches
 from eagle3pipe.engines.speed import REFERENCE, timing_of
 from eagle3pipe.runtime.jsonio import dumps, write_json
@@ -51,7 +52,6 @@ from eagle3pipe.stages.smoke_inputs import (
     Inputs,
     SmokeError,
     check_loads,
-    default_where,
     read_inputs,
 )
 from eagle3pipe.verifier import preflight
@@ -226,7 +226,7 @@ class Outputs:
 def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
             dataset_dir: str | Path, train_metrics: str | Path, plots_path: str | Path,
             outputs: Outputs | None = None, progress: bool = True,
-            where: Callable[[str], str] = default_where) -> dict:
+            at: ParamsAt = ParamsAt()) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
     (engine.settings_of), `dataset_dir` and `train_metrics` the dataset stage's output and the
     trainer's metrics file (the agreement check). Writes the plot data (and the timing file
@@ -235,7 +235,7 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
     t_stage = time.perf_counter()
     engine.environment(settings)  # before anything imports vLLM
     seed_everything(s.seed, s.threads)
-    inp = read_inputs(s, settings, export_dir, verifier_dir, where)
+    inp = read_inputs(s, settings, export_dir, verifier_dir, at)
     eval_prompts = agreement.read_eval(dataset_dir, s.agreement_prompts,
                                        inp.verifier.info.vocab_size, settings["max_model_len"],
                                        inp.k)
@@ -317,7 +317,7 @@ def run(params: StageView, paths: Paths) -> dict:
                    verifier_dir=paths.verifier, dataset_dir=paths.dataset,
                    train_metrics=paths.train_metrics, plots_path=paths.plots,
                    outputs=Outputs.beside(paths.metrics, paths.plots), progress=paths.progress,
-                   where=params.where)
+                   at=params.params_at)
 
 
 def estimate(params: Params, f: E.Figures) -> E.Estimate:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eagle3pipe.data import prompts
 from eagle3pipe.data.prompts import STDLIB_SOURCE, Prompt
 from eagle3pipe.engines import load_check as vllm_load
-from eagle3pipe.errors import Error
+from eagle3pipe.errors import Error, ParamsAt, Problem
 from eagle3pipe.runtime.jsonio import read_json_object
 from eagle3pipe.verifier.handle import Verifier
 
@@ -36,13 +36,10 @@ class SmokeError(Error, RuntimeError):
     """A draft that does not load, is not lossless, or does not speculate well enough.
     `metrics` holds what was measured (None when the run stopped before the engines)."""
 
-    def __init__(self, message: str, metrics: dict | None = None, *, fix: str = ""):
-        super().__init__(message, fix)
+    def __init__(self, message: str = "", metrics: dict | None = None, *, fix: str = "",
+                 problems: list[Problem] | tuple[Problem, ...] = ()):
+        super().__init__(message, fix, problems=problems)
         self.metrics = metrics
-
-
-def default_where(key: str) -> str:
-    return "params.yaml"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,18 +80,18 @@ def speculative_tokens(export_dir: str | Path) -> int:
     return k
 
 
-def sweep_ks(s, k: int, where: Callable[[str], str] = default_where) -> list[int]:
+def sweep_ks(s, k: int, at: ParamsAt = ParamsAt()) -> list[int]:
     """The k values of the sweep (smoke.k_sweep, with the serving k when it is not empty),
     ascending; [] when there is no sweep."""
     ks = list(s.k_sweep)
     bad = [x for x in ks if isinstance(x, bool) or not isinstance(x, int) or x < 1]
     if bad:
-        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {bad[0]!r} is not a "
-                         "positive integer", fix="list k values >= 1, e.g. [1, 2, 3, 4, 5], "
-                         "or [] for no sweep")
+        raise SmokeError(problems=[at.problem(
+            "smoke.k_sweep", f"{bad[0]!r} is not a positive integer",
+            "list k values >= 1, e.g. [1, 2, 3, 4, 5], or [] for no sweep")])
     if len(set(ks)) != len(ks):
-        raise SmokeError(f"{where('smoke.k_sweep')}: smoke.k_sweep: {ks} lists a k twice",
-                         fix=f"list each k once: {sorted(set(ks))}")
+        raise SmokeError(problems=[at.problem("smoke.k_sweep", f"{ks} lists a k twice",
+                                              f"list each k once: {sorted(set(ks))}")])
     return sorted(set(ks) | {k}) if ks else []
 
 
@@ -121,16 +118,16 @@ class Inputs:
 
 
 def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path,
-                where: Callable[[str], str] = default_where) -> Inputs:
+                at: ParamsAt = ParamsAt()) -> Inputs:
     """The exports, k, the sweep, the verifier and the tokenized prompts; vllm.max_model_len
     must fit the longest prompt, its generation and one speculative step past it."""
     exports = export_dirs(export_dir)
     k = speculative_tokens(export_dir)
-    sweep = sweep_ks(s, k, where)
+    sweep = sweep_ks(s, k, at)
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tok = v.tokenizer()
-    ps, source = prompts.load(s, tok, where)
+    ps, source = prompts.load(s, tok, at)
     longest = max(ps, key=lambda p: len(p.ids))
     kmax = max([k, *sweep])
     log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "

@@ -21,6 +21,7 @@ import torch
 from eagle3pipe.config.view import StageView
 from eagle3pipe.data.samples import read as read_samples
 from eagle3pipe.draft.vocab_map import MAP_FILE, VocabError, mapping_problem
+from eagle3pipe.errors import ParamsAt
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.stages.runner import Paths
@@ -42,12 +43,12 @@ def count_masked_tokens(train_jsonl: str | Path, vocab_size: int, *,
 
 
 def build_mapping(counts: dict[int, int], draft_vocab_size: int, vocab_size: int, *,
-                  where: str = "params.yaml") -> tuple[torch.Tensor, torch.Tensor]:
+                  at: ParamsAt = ParamsAt()) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [draft_vocab_size], t2d bool [vocab_size]) by speculators' convention."""
     if draft_vocab_size > vocab_size:
-        raise VocabError(f"{where}: draft.draft_vocab_size ({draft_vocab_size}) exceeds the "
-                         f"verifier's vocab_size ({vocab_size})",
-                         f"set draft.draft_vocab_size <= {vocab_size}")
+        raise VocabError(problems=[at.problem(
+            "draft.draft_vocab_size", f"{draft_vocab_size} exceeds the verifier's vocab_size "
+            f"({vocab_size})", f"set draft.draft_vocab_size <= {vocab_size}")])
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), draft_vocab_size, vocab_size)
@@ -88,13 +89,13 @@ def save(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, st: dict) ->
 
 
 def build(train_jsonl: str | Path, draft_vocab_size: int, vocab_size: int, out_dir: str | Path,
-          *, progress: bool = True, where: str = "params.yaml") -> dict:
+          *, progress: bool = True, at: ParamsAt = ParamsAt()) -> dict:
     """The vocab stage: counts, mapping, out_dir/{vocab_map.safetensors, stats.json}.
-    `where` names the params file (and line) of draft.draft_vocab_size in errors."""
+    `at` locates draft.draft_vocab_size in errors (StageView.params_at)."""
     if draft_vocab_size > vocab_size:  # refuse before reading anything
-        build_mapping({}, draft_vocab_size, vocab_size, where=where)
+        build_mapping({}, draft_vocab_size, vocab_size, at=at)
     counts, n = count_masked_tokens(train_jsonl, vocab_size, progress=progress)
-    d2t, t2d = build_mapping(counts, draft_vocab_size, vocab_size, where=where)
+    d2t, t2d = build_mapping(counts, draft_vocab_size, vocab_size, at=at)
     st = stats(counts, d2t, n)
     if st["filled"]:
         log.warning("only %d distinct tokens in %s; filled %d draft slots with the lowest "
@@ -111,4 +112,4 @@ def run(params: StageView, paths: Paths) -> None:
     paths.out; reads draft.draft_vocab_size."""
     info = VerifierInfo.from_config(paths.verifier_config)
     build(paths.dataset, params.draft.draft_vocab_size, info.vocab_size, paths.out,
-          progress=paths.progress, where=params.where("draft.draft_vocab_size"))
+          progress=paths.progress, at=params.params_at)

@@ -49,21 +49,29 @@ def family_repo(root: Path, family: str, ckpt: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(family_checkpoints, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
-    """family -> (repo, dvc repro's exit code, its log); two runs at a time (a micro stage is
-    mostly one core importing torch, transformers or vLLM)."""
+    """family -> (repo, dvc repro's exit code, its log); two runs at a time, the next one
+    starting as soon as either ends (a micro stage is mostly one core importing torch,
+    transformers or vLLM)."""
+    import time
+
     root = tmp_path_factory.mktemp("family-runs")
-    out, todo = {}, list(checkpoints.FAMILIES)
-    while todo:
-        batch, todo = todo[:2], todo[2:]
-        procs = {f: (family_repo(root, f, family_checkpoints[f]),) for f in batch}
-        procs = {f: (r, start_repro(r)) for f, (r,) in procs.items()}
-        try:
-            for f, (repo, proc) in procs.items():
-                code = proc.wait()
-                out[f] = (repo, code, (repo.parent / f"{repo.name}.repro.log").read_text())
-        finally:
-            for _, proc in procs.values():
-                stop_repro(proc)
+    out, todo, running = {}, list(checkpoints.FAMILIES), {}
+    try:
+        while todo or running:
+            while todo and len(running) < 2:
+                f = todo.pop(0)
+                repo = family_repo(root, f, family_checkpoints[f])
+                running[f] = (repo, start_repro(repo))
+            done = [f for f, (_, proc) in running.items() if proc.poll() is not None]
+            if not done:
+                time.sleep(0.5)
+            for f in done:
+                repo, proc = running.pop(f)
+                out[f] = (repo, proc.returncode,
+                          (repo.parent / f"{repo.name}.repro.log").read_text())
+    finally:
+        for _, proc in running.values():
+            stop_repro(proc)
     return out
 
 

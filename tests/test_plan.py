@@ -179,3 +179,30 @@ def test_a_draft_no_accelerator_holds_is_refused_before_any_plan(tmp_path, capsy
     line = next(i for i, t in enumerate(DEFAULT.read_text().splitlines(), 1)
                 if t.startswith("  head_dim: 128"))
     assert f"{bad}:{line}: draft.head_dim: 100000000000 makes the draft 1,024.0 TB" in err, err
+
+
+def test_the_runners_estimate_skips_a_verifier_config_the_new_params_outgrew(tmp_path,
+                                                                               monkeypatch,
+                                                                               caplog):
+    """A deeper embedded verifier with aux ids beyond the previous one's layers: before the
+    verifier stage rebuilds it, configs/verifier_config.json is still the previous run's, so the
+    runner's estimate must not refuse the new params against it (the stage's own check runs
+    against the planned verifier); it logs that it skipped."""
+    import logging
+
+    from eagle3pipe.stages import verifier as verifier_stage
+    from ruamel.yaml import YAML
+
+    (tmp_path / "configs").mkdir()
+    shutil.copyfile(DEFAULT_VERIFIER, tmp_path / "configs/verifier_config.json")  # 4 layers
+    y = YAML()
+    doc = y.load(DEFAULT.read_text())
+    doc["verifier"]["embedded"]["num_hidden_layers"] = 16
+    doc["draft"]["aux_layer_ids"] = [2, 8, 14]
+    with (tmp_path / "params.yaml").open("w") as fh:
+        y.dump(doc, fh)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        estimate.check("verifier", verifier_stage.estimate, tmp_path / "params.yaml", None)
+    assert "estimate: skipped (configs/verifier_config.json does not fit the draft params yet: "\
+        "draft.aux_layer_ids: layer id 8 is outside" in caplog.text, caplog.text

@@ -158,15 +158,23 @@ def check(stage: str, estimate: Estimator, params_file: str | os.PathLike,
     """The runner's step before `run`: the stage's estimate at the start of its log, and a
     refusal (before any compute) when its output would not fit on the free disk where it is
     written. Like for_validation, it reads the whole params file; it changes no output.
-    Nothing to estimate from before the verifier stage built the embedded verifier."""
+    Nothing to estimate from before the verifier stage built the embedded verifier, nor from a
+    verifier config the draft params do not fit: that config is the previous run's (the verifier
+    stage runs before configs re-renders it), and each stage's own checks refuse real misfits."""
     params = P.load(params_file)
+    log = logging.getLogger(f"eagle3pipe.{stage}")
     try:
         cfg = find_config(params.verifier.path)
     except VerifierConfigError:
         return
-    f = figures(params, cfg, cuda_available())
+    try:
+        f = figures(params, cfg, cuda_available())
+    except Error as err:
+        why = (f"{err.problems[0].key}: {err.problems[0].message}" if err.problems
+               else (str(err).splitlines() or [type(err).__name__])[0])
+        log.info("estimate: skipped (%s does not fit the draft params yet: %s)", cfg, why)
+        return
     e = estimate(params, f)
-    log = logging.getLogger(f"eagle3pipe.{stage}")
     for text in [line(e, f.gpu)] + [f"estimate: {n}" for n in e.notes]:
         log.info("%s", text)
     problem = disk_problem(e.disk_bytes, out, e.sized_by or stage) \

@@ -159,8 +159,9 @@ def check(stage: str, estimate: Estimator, params_file: str | os.PathLike,
     refusal (before any compute) when its output would not fit on the free disk where it is
     written. Like for_validation, it reads the whole params file; it changes no output.
     Nothing to estimate from before the verifier stage built the embedded verifier, nor from a
-    verifier config the draft params do not fit: that config is the previous run's (the verifier
-    stage runs before configs re-renders it), and each stage's own checks refuse real misfits."""
+    verifier config on disk that the draft params do not fit: the verifier stage runs before the
+    configs stage renders that file for the params, and each stage's own checks refuse real
+    misfits."""
     params = P.load(params_file)
     log = logging.getLogger(f"eagle3pipe.{stage}")
     try:

@@ -381,7 +381,7 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
                               min_acceptance_length=1.0, min_gain_over_ngram=0.0,
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
                               threads=2, prompts=None, k_sweep=[1, 3], timing_rounds=1,
-                              agreement_prompts=2, max_train_serve_gap=0.1)
+                              batch1_prompts=1, agreement_prompts=2, max_train_serve_gap=0.1)
     dataset, train_metrics = _agreement_inputs(tmp_path, micro_verifier, [1.0] * K)
     with pytest.raises(smoke_inputs.SmokeError) as e:
         smoke.measure(s, engine_settings(), export_dir=tmp_path / "export",
@@ -449,7 +449,7 @@ def _params(tmp_path: Path, **smoke_overrides) -> Path:
     yaml = YAML(typ="rt")
     doc = yaml.load((ROOT / "params.yaml").read_text())
     small = dict(num_prompts=2, max_tokens=MAX_TOKENS, k_sweep=[], timing_rounds=1,
-                 agreement_prompts=2)
+                 batch1_prompts=0, agreement_prompts=2)
     for k, v in {**small, **smoke_overrides}.items():
         doc["smoke"][k] = v
     out = tmp_path / "params.yaml"
@@ -500,7 +500,8 @@ def test_positive_control_accepts_every_draft(micro_verifier_copy, tmp_path):
     arch = drafts.micro_arch(verifier)
     export = drafts.write_export(tmp_path / "export", arch, verifier_dir=verifier,
                                  mode="zero_norm", num_speculative_tokens=K)
-    r = _stage(tmp_path, _params(tmp_path, k_sweep=[1, K], timing_rounds=2), export, verifier)
+    r = _stage(tmp_path, _params(tmp_path, k_sweep=[1, K], timing_rounds=2, batch1_prompts=1),
+               export, verifier)
     assert r.returncode == 0, r.stderr[-4000:]
     m = json.loads((tmp_path / "metrics" / "smoke.json").read_text())
     # the k sweep: k = 1 and the serving k, draft and ngram; acceptance exactly k + 1
@@ -528,8 +529,17 @@ def test_positive_control_accepts_every_draft(micro_verifier_copy, tmp_path):
             assert timing["speedup"][name] == sp["median"]
     assert sorted(timing["k_sweep"]) == ["1", str(K)]
     assert timing["best_k"]["serving_k"] == K and timing["best_k"]["vllm"]["k"] in (1, K)
+    # batch 1: the first prompt alone, every method, every k of the sweep, the same shape
+    one = timing["batch_1"]
+    assert one["num_prompts"] == 1 and timing["batch_size"] == 2
+    assert set(one["methods"]) == set(timing["methods"]) and sorted(one["k_sweep"]) == ["1", str(K)]
+    for name, t in one["methods"].items():
+        assert len(t["seconds"]) == 2 and t["output_tokens_per_s"]["min"] > 0, (name, t)
+    assert one["best_k"]["serving_k"] == K
     speed_rows = json.loads((tmp_path / "plots" / "smoke_k_speedup.json").read_text())
     assert [row["k"] for row in speed_rows] == [1, K]
+    assert set(speed_rows[0]) == {"k", "vllm", "ngram", "vllm_batch_1", "ngram_batch_1"}
+    assert speed_rows[1]["vllm_batch_1"] == one["k_sweep"][str(K)]["vllm"]["speedup"]["median"]
     # the timing file names the deterministic metrics it was measured with
     assert timing["smoke_metrics_sha256"] == hashlib.sha256(
         (tmp_path / "metrics" / "smoke.json").read_bytes()).hexdigest()

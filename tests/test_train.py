@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -259,11 +260,21 @@ def test_stage_script_runs_from_params(inputs, tmp_path):
     assert "acceptance length (training estimate)" in r.stderr  # stage.main logs to stderr
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.slow
 def test_torchrun_ddp_path(inputs, tmp_path):
     """The multi-process path (torchrun, DDP, sharded packs, all-reduced eval, rank-0 writes) on
     CPU over gloo, as `dvc repro` launches it with train.nproc_per_node: 2; a rerun gives the
-    same weights, and a launch that disagrees with train.nproc_per_node is refused."""
+    same weights, and a launch that disagrees with train.nproc_per_node is refused. Two
+    torchrun agents on localhost as two nodes (train.nnodes: 2, one process each) give the
+    same weights as the two processes on one node."""
     import os
 
     params = (ROOT / "params.yaml").read_text()
@@ -299,3 +310,36 @@ def test_torchrun_ddp_path(inputs, tmp_path):
     assert (tmp_path / "artifacts" / "train" / "model.safetensors").read_bytes() == first_weights
     r = torchrun(1)  # one process while params say two
     assert r.returncode != 0 and "train.nproc_per_node is 2" in r.stderr, r.stderr[-2000:]
+
+    # two nodes of one process each, on localhost: node 0 is the stage's own command line (it
+    # becomes torchrun), node 1 runs what `eagle3pipe launch` prints, each in its own directory
+    port = _free_port()
+    two = params.replace("nproc_per_node: 2", "nproc_per_node: 1").replace(
+        "nnodes: 1", "nnodes: 2").replace("rdzv_endpoint: null",
+                                          f"rdzv_endpoint: 127.0.0.1:{port}")
+    dvc_yaml = tmp_path / "dvc.yaml"
+    stage_args = shlex.join([str(ROOT / "stages" / "train.py"), *args[:-3], "--dvc-yaml",
+                           str(dvc_yaml), "--no-progress"])
+    dvc_yaml.write_text(re.sub(r"cmd: python stages/train.py [^\n]*",
+                               lambda _: f"cmd: python {stage_args}",
+                               (ROOT / "dvc.yaml").read_text(), count=1))
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for d in nodes:
+        d.mkdir()
+        (d / "params.yaml").write_text(two)
+    shown = subprocess.run([sys.executable, "-m", "eagle3pipe.tools.cli", "launch", "--params",
+                            str(nodes[1] / "params.yaml"), "--dvc-yaml", str(dvc_yaml),
+                            "--node-rank", "1"], capture_output=True, text=True, check=True)
+    line = shlex.split(shown.stdout.strip())
+    assert line[:3] == ["torchrun", "--nnodes", "2"] and "--node-rank" in line, line
+    assert line[line.index("--master-port") + 1] == str(port)
+    node1 = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *line[1:]],
+                             cwd=nodes[1], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    r = subprocess.run([sys.executable, *shlex.split(stage_args)], cwd=nodes[0],
+                       capture_output=True, text=True, timeout=600, env=env)
+    out1 = node1.communicate(timeout=120)
+    assert r.returncode == 0 and node1.returncode == 0, (r.stderr[-3000:], out1[1][-3000:])
+    assert "device cpu x 2" in r.stderr
+    assert (nodes[0] / "artifacts/train/model.safetensors").read_bytes() == first_weights
+    assert not (nodes[1] / "artifacts").exists()  # rank 0, on node 0, alone publishes

@@ -288,10 +288,33 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 f"{p.dataset.num_samples} sample cannot fill both a train and an "
                                 f"eval split (dataset.eval_fraction {p.dataset.eval_fraction})",
                                 "use at least 2, or dataset.eval_fraction: 0"))
+    t = p.train
+    if t.nnodes > 1 and not _endpoint(t.rdzv_endpoint):
+        unset = t.rdzv_endpoint is None  # then the key just set is nnodes
+        key = "train.nnodes" if unset else "train.rdzv_endpoint"
+        problems.append(Problem(file, lines.get(key), key,
+                                (f"{t.nnodes} needs node 0's address, but train.rdzv_endpoint "
+                                 "is null" if unset else f"{t.rdzv_endpoint!r} is not host:port "
+                                 f"(train.nnodes is {t.nnodes}: the other nodes need node 0's "
+                                 "address)"),
+                                "set train.rdzv_endpoint to host:port of the node that runs "
+                                "`dvc repro` (a port every node can reach, e.g. "
+                                "node0.cluster:29500), or train.nnodes: 1"))
+    if s.batch1_prompts > s.num_prompts:
+        problems.append(Problem(file, lines.get("smoke.batch1_prompts"), "smoke.batch1_prompts",
+                                f"{s.batch1_prompts} is more than smoke.num_prompts "
+                                f"{s.num_prompts}: batch 1 times the first prompts of the set",
+                                f"use at most {s.num_prompts}"))
     if not 0.0 <= p.dataset.eval_fraction < 1.0:
         problems.append(Problem(file, lines.get("dataset.eval_fraction"), "dataset.eval_fraction",
                                 f"must be in [0, 1), got {p.dataset.eval_fraction}",
                                 "use e.g. 0.1"))
+
+
+def _endpoint(value: str | None) -> bool:
+    """host:port with a non-empty host and a port in 1..65535."""
+    host, _, port = (value or "").rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def tp_problem(tp: int, heads: int | None, kv_heads: int | None, whose: str, why: str = ""

@@ -126,7 +126,8 @@ class TrainParams:
     seed: int = spec("training seed", min=0)
     threads: int = spec("torch CPU threads", min=1)
     device: str = spec("training device", choices=("cpu", "cuda"))
-    nproc_per_node: int = spec("training processes (torchrun; one per GPU on cuda)", min=1)
+    nproc_per_node: int = spec("training processes per node (torchrun; one per GPU on cuda)",
+                               min=1)
     epochs: int = spec("passes over the training samples", min=1)
     batch_tokens: int = spec("tokens per optimizer step (packed)", min=16)
     learning_rate: float = spec("AdamW peak learning rate", min=0.0)
@@ -138,6 +139,12 @@ class TrainParams:
                      "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "
                      "lk_hybrid", choices=LOSSES)
     eval_every: int = spec("steps between eval-loss logs", min=1)
+    nnodes: int = spec("training nodes, one torchrun agent each (1: standalone on this one; "
+                       "more: `eagle3pipe launch` prints the other nodes' command)", min=1,
+                       default=1)
+    rdzv_endpoint: str | None = spec("host:port of node 0 (the one `dvc repro` runs on) that "
+                                     "every other node reaches; needed when train.nnodes > 1",
+                                     default=None)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,9 @@ class SmokeParams:
                               "the vllm layout and ngram); []: none", default=())
     timing_rounds: int = spec("timed rounds: each one generates the prompt set once with every "
                               "method, in alternating order", min=1, default=3)
+    batch1_prompts: int = spec("the first this many prompts are also generated one request at "
+                               "a time in every timed pass (batch-1 latency); 0: not measured",
+                               min=0, default=0)
 
 
 @dataclass(frozen=True)

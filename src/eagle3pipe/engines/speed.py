@@ -1,12 +1,13 @@
 """Decode speed of the smoke stage's methods, for metrics/smoke_timing.json (wall clock: not
 deterministic, so neither a stage output nor hashed in dvc.lock).
 
-A Pass is one generation of the whole prompt set by one engine, timed per domain. The stage
-runs every method in the same rounds, alternating their order, so that other work on the
-machine slows every method alike; CpuMeter measures how much CPU other processes took meanwhile
-(the timings say little above BUSY). speed() gives output tokens/s and ms per output token as
-median, min and max over the rounds, speedup() each method's ratio to the non-speculative
-reference of the same rounds, timing_of() the whole file.
+A Pass is one generation of the prompt set by one engine: at the smoke batch (the prompts of a
+domain in one call), or one request at a time (batch 1). The stage runs every method in the
+same rounds, alternating their order, so that other work on the machine slows every method
+alike; CpuMeter measures how much CPU other processes took meanwhile (the timings say little
+above BUSY). speed() gives output tokens/s and ms per output token as median, min and max over
+the rounds, speedup() each method's per-round ratio to the non-speculative reference of the
+same round, at_batch() the figures of one batch size, timing_of() the whole file.
 """
 from __future__ import annotations
 
@@ -108,9 +109,11 @@ def speed(passes: list[Pass], domains: list[str] | None = None) -> dict:
 
 
 def speedup(passes: list[Pass], ref: list[Pass], domains: list[str] | None = None) -> dict:
-    """Median tokens/s over the reference's median tokens/s of the same rounds (`median`), the
-    min and max of the per-round ratios (pass r of both was timed in round r), and the ratio
-    of the fastest passes (`best`: other work only ever slows a pass down)."""
+    """Each round's ratio of tokens/s to the reference's in the same round (pass r of both was
+    timed in round r, next to each other): their median (`median`), min and max, and the ratio
+    of the fastest passes (`best`: other work only ever slows a pass down). Pairing by round
+    cancels what drifts between rounds (another process, the CPU's clock); a ratio of medians
+    would not."""
     def tps(p: Pass) -> float:
         ds = domains or list(p.seconds)
         sec = sum(p.seconds[d] for d in ds)
@@ -118,33 +121,24 @@ def speedup(passes: list[Pass], ref: list[Pass], domains: list[str] | None = Non
 
     a, b = [tps(p) for p in passes], [tps(p) for p in ref]
     ratios = [x / y for x, y in zip(a, b) if y > 0]
-    med_b = statistics.median(b)
-    return {"median": _sig(statistics.median(a) / med_b) if med_b else 0.0,
+    return {"median": _sig(statistics.median(ratios)) if ratios else 0.0,
             "min": _sig(min(ratios)) if ratios else 0.0,
             "max": _sig(max(ratios)) if ratios else 0.0,
             "best": _sig(max(a) / max(b)) if max(b) else 0.0}
 
 
-def timing_of(s, inp: Any, m: Any, *, swept: tuple[str, ...], stage_seconds: float,
-              metrics_sha256: str) -> dict:
-    """metrics/smoke_timing.json: speed of every method at the serving k (overall and by
-    domain), speedup and acceptance-free speed per k of the sweep, the best k, where the time
-    went. Flat `speedup` and `output_tokens_per_s` maps for `dvc metrics show`. `s` is the
-    params' smoke section, `inp` the smoke stage's Inputs (k, prompts, source, domains, sweep),
-    `m` its Measured (timed passes by (method, k), seconds, other processes' CPU share),
-    `swept` the methods the k sweep runs."""
-    k = inp.k
-    ref = m.timed[(REFERENCE, k)]
+def at_batch(timed: dict[tuple[str, int], list[Pass]], k: int, sweep: list[int],
+             swept: tuple[str, ...]) -> dict:
+    """The figures of one batch size: every method's speed at the serving k (`methods`, the
+    flat `speedup`, `output_tokens_per_s` and `ms_per_output_token` maps), and with a sweep
+    the swept methods' speed per k (`k_sweep`) and the k of the best median speedup
+    (`best_k`). `timed` holds the passes of that batch size by (method, k)."""
+    ref = timed[(REFERENCE, k)]
     methods: dict[str, dict] = {REFERENCE: speed(ref)}
-    for (name, kk), passes in m.timed.items():
+    for (name, kk), passes in timed.items():
         if kk == k and name != REFERENCE:
             methods[name] = {**speed(passes), "speedup": speedup(passes, ref)}
     out: dict[str, Any] = {
-        "num_speculative_tokens": k,
-        "timing_rounds": s.timing_rounds,
-        "num_prompts": len(inp.prompts),
-        "max_tokens": s.max_tokens,
-        "prompts": inp.source,
         "methods": methods,
         "speedup": {n: r["speedup"]["median"] for n, r in methods.items() if "speedup" in r},
         "output_tokens_per_s": {n: r["output_tokens_per_s"]["median"]
@@ -152,28 +146,55 @@ def timing_of(s, inp: Any, m: Any, *, swept: tuple[str, ...], stage_seconds: flo
         "ms_per_output_token": {n: r["ms_per_output_token"]["median"]
                                 for n, r in methods.items()},
     }
+    if sweep:
+        by_k: dict[str, dict] = {}
+        for kk in sweep:
+            ref_k = timed[(REFERENCE, kk)]
+            by_k[str(kk)] = {name: {**speed(timed[(name, kk)]),
+                                    "speedup": speedup(timed[(name, kk)], ref_k)}
+                             for name in swept}
+        out["k_sweep"] = by_k
+        out["best_k"] = {}
+        for name in swept:
+            best = max(sweep, key=lambda kk: by_k[str(kk)][name]["speedup"]["median"])
+            out["best_k"][name] = {"k": best,
+                                   "speedup": by_k[str(best)][name]["speedup"]["median"]}
+        # the serving default beside the recommendation (params are never rewritten)
+        out["best_k"]["serving_k"] = k
+    return out
+
+
+def timing_of(s, inp: Any, m: Any, *, swept: tuple[str, ...], stage_seconds: float,
+              metrics_sha256: str) -> dict:
+    """metrics/smoke_timing.json: at the smoke batch (every prompt of a domain in one call) and,
+    under `batch_1`, one request at a time (the first smoke.batch1_prompts prompts): every
+    method's speed and speedup at the serving k (at the smoke batch also by domain), the k
+    sweep and the best k (at_batch); where the time went. `s` is the params' smoke section,
+    `inp` the smoke stage's Inputs (k, prompts, source, domains, sweep), `m` its Measured
+    (timed passes by (method, k) of both batch sizes, seconds, other processes' CPU share),
+    `swept` the methods the k sweep runs."""
+    k = inp.k
+    out: dict[str, Any] = {
+        "num_speculative_tokens": k,
+        "timing_rounds": s.timing_rounds,
+        "num_prompts": len(inp.prompts),
+        "batch_size": max(len(idx) for idx in inp.domains.values()),
+        "max_tokens": s.max_tokens,
+        "prompts": inp.source,
+        **at_batch(m.timed, k, inp.sweep, swept),
+    }
     if len(inp.domains) > 1 or inp.source != STDLIB_SOURCE:
+        ref = m.timed[(REFERENCE, k)]
         out["domains"] = {
             d: {name: {**speed(m.timed[(name, k)], [d]),
                        **({"speedup": speedup(m.timed[(name, k)], ref, [d])}
                           if name != REFERENCE else {})}
-                for name in methods}
+                for name in out["methods"]}
             for d in inp.domains}
-    if inp.sweep:
-        sweep: dict[str, dict] = {}
-        for kk in inp.sweep:
-            ref_k = m.timed[(REFERENCE, kk)]
-            sweep[str(kk)] = {name: {**speed(m.timed[(name, kk)]),
-                                     "speedup": speedup(m.timed[(name, kk)], ref_k)}
-                              for name in swept}
-        out["k_sweep"] = sweep
-        out["best_k"] = {}
-        for name in swept:
-            best = max(inp.sweep, key=lambda kk: sweep[str(kk)][name]["speedup"]["median"])
-            out["best_k"][name] = {"k": best,
-                                   "speedup": sweep[str(best)][name]["speedup"]["median"]}
-        # the serving default beside the recommendation (params are never rewritten)
-        out["best_k"]["serving_k"] = k
+    if m.timed_batch1:
+        first = next(iter(m.timed_batch1.values()))[0]
+        out["batch_1"] = {"num_prompts": len(first.token_ids),
+                          **at_batch(m.timed_batch1, k, inp.sweep, swept)}
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:

@@ -202,6 +202,21 @@ def sweep_rows(sweep: dict[str, dict], value: Callable[[dict], float]) -> list[d
             for k, row in sorted(sweep.items(), key=lambda kv: int(kv[0]))]
 
 
+def speedup_rows(timing: dict, k: int) -> list[dict]:
+    """plots/smoke_k_speedup.json: per k of the sweep (or the serving k alone), the swept
+    methods' median speedup at the smoke batch and, as `<method>_batch_1`, at batch 1."""
+    def by_k(t: dict) -> dict:
+        return t.get("k_sweep") or {str(k): {n: t["methods"][n] for n in SWEPT}}
+
+    rows = sweep_rows(by_k(timing), lambda r: r["speedup"]["median"])
+    if "batch_1" in timing:
+        one = by_k(timing["batch_1"])
+        for row in rows:
+            row.update({f"{n}_batch_1": one[str(row["k"])][n]["speedup"]["median"]
+                        for n in sorted(SWEPT)})
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # the stage
 
@@ -273,13 +288,10 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
     # the per-k plots hold every k of the sweep, or the serving k alone (smoke.k_sweep: []):
     # dvc.yaml declares the acceptance one as an output, so it is always written
     by_k = sweep or {str(inp.k): {n: results[n] for n in SWEPT}}
-    speed_by_k = timing.get("k_sweep") or {str(inp.k): {n: timing["methods"][n] for n in SWEPT}}
     if out.k_acceptance:
-        write_json(out.k_acceptance,
-                           sweep_rows(by_k, lambda r: r["mean_acceptance_length"]))
+        write_json(out.k_acceptance, sweep_rows(by_k, lambda r: r["mean_acceptance_length"]))
     if out.k_speedup:
-        write_json(out.k_speedup,
-                           sweep_rows(speed_by_k, lambda r: r["speedup"]["median"]))
+        write_json(out.k_speedup, speedup_rows(timing, inp.k))
     if out.timing:
         write_json(out.timing, timing)
     report(inp, metrics, timing)
@@ -295,6 +307,10 @@ def report(inp: Inputs, metrics: dict, timing: dict) -> None:
                  t["output_tokens_per_s"]["median"],
                  timing["output_tokens_per_s"][REFERENCE], t["speedup"]["median"],
                  t["speedup"]["min"], t["speedup"]["max"])
+    one = timing.get("batch_1")
+    if one:
+        log.info("batch 1 (%d prompts one at a time), speedup at k=%d: %s", one["num_prompts"],
+                 inp.k, ", ".join(f"{n} {v}x" for n, v in sorted(one["speedup"].items())))
     if timing["machine"]["busy_warning"]:
         log.warning("%s", timing["machine"]["busy_warning"])
     best = timing.get("best_k")

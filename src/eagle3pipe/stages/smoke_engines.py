@@ -5,12 +5,16 @@ counters, on a fresh engine; at the serving k the draft in the vllm layout also 
 eval split's prompts for eagle3pipe.stages.smoke_agreement), then `smoke.timing_rounds` rounds
 follow in which the reference and every engine of the group generate the whole prompt set once
 each, in alternating order (A B C, C B A, ...), so that other work on the machine slows every
-method alike.
+method alike. In every timed pass the engine also generates the first `smoke.batch1_prompts`
+prompts one request at a time (batch-1 latency). Python's garbage collector is held off while a
+pass is timed and run between passes, so that no pass pays for another's garbage.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +64,33 @@ def generate(llm, inp: Inputs, s, *, counted: bool) -> Pass:
     return out
 
 
+def generate_single(llm, inp: Inputs, s) -> Pass:
+    """The first smoke.batch1_prompts prompts through one engine one request at a time (each
+    call returns before the next is made): batch-1 latency, one timing for them all."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, seed=s.seed)
+    ids, seconds = [], 0.0
+    for p in inp.prompts[:s.batch1_prompts]:
+        t0 = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=p.ids)], sampling, use_tqdm=False)
+        seconds += time.perf_counter() - t0
+        ids.append(list(res[0].outputs[0].token_ids))
+    return Pass(ids, {"batch_1": seconds}, {"batch_1": sum(map(len, ids))})
+
+
+@contextmanager
+def no_gc():
+    """Python's collector off for a timed pass, collected after it (not inside the next)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
+
+
 def generate_eval(llm, prompts: list[EvalPrompt], s) -> EngineRun:
     """The eval split's prompts through the engine started last, one greedy batch, each prompt
     for as many tokens as its dataset reply; the spec-decode counter delta."""
@@ -98,11 +129,13 @@ def label(name: str) -> str:
 @dataclass
 class Measured:
     """What the engines produced: the reference, the counted run of every speculative engine
-    by (name, k), and every timed pass by (name, k) (the reference's by the k of its round)."""
+    by (name, k), and every timed pass by (name, k) (the reference's by the k of its round), at
+    the smoke batch and at batch 1."""
     reference: EngineRun
     runs: dict[tuple[str, int], EngineRun]
     timed: dict[tuple[str, int], list[Pass]]
     seconds: dict[str, float]
+    timed_batch1: dict[tuple[str, int], list[Pass]] = field(default_factory=dict)
     other_cpu_share: float | None = None  # other processes' CPU share during the timed rounds
     agreement: EngineRun | None = None  # the draft (vllm layout, serving k) on the eval split
 
@@ -120,13 +153,15 @@ def run_engines(s, inp: Inputs, eval_prompts: list[EvalPrompt] | None = None, *,
     """All engines in this process: the non-speculative reference stays up for the whole run;
     each group of speculative engines (one k) starts, makes its counted pass (the draft in
     the vllm layout at the serving k then also generates `eval_prompts`), then
-    smoke.timing_rounds rounds alternate the reference and the group's engines."""
+    smoke.timing_rounds rounds alternate the reference and the group's engines, each pass at the
+    smoke batch and (smoke.batch1_prompts) at batch 1."""
     plan = groups(s, inp)
     rounds = s.timing_rounds
     total = 1 + sum(len(g) + rounds * (len(g) + 1) for _, g in plan) + bool(eval_prompts)
     agreement = None
     runs: dict[tuple[str, int], EngineRun] = {}
     timed: dict[tuple[str, int], list[Pass]] = {}
+    timed1: dict[tuple[str, int], list[Pass]] = {}
     seconds = {"engine_start": 0.0, "counted": 0.0, "timed": 0.0}
     bar = tqdm(total=total, desc="smoke: generate", unit="pass", disable=not progress,
                mininterval=1.0)
@@ -169,13 +204,19 @@ def run_engines(s, inp: Inputs, eval_prompts: list[EvalPrompt] | None = None, *,
             meter.resume()
             for r in range(rounds):
                 for name, llm in (order if r % 2 == 0 else order[::-1]):
-                    timed.setdefault((name, k), []).append(generate(llm, inp, s, counted=False))
+                    with no_gc():
+                        timed.setdefault((name, k), []).append(
+                            generate(llm, inp, s, counted=False))
+                    if s.batch1_prompts:
+                        with no_gc():
+                            timed1.setdefault((name, k), []).append(
+                                generate_single(llm, inp, s))
                     bar.update()
             meter.pause()
             seconds["timed"] += time.perf_counter() - t0
             for llm in llms.values():
                 pool.stop(llm)
     bar.close()
-    return Measured(reference, runs, timed, seconds, meter.other_share(), agreement)
+    return Measured(reference, runs, timed, seconds, timed1, meter.other_share(), agreement)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,10 +245,13 @@ def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
     schedule still spans all epochs, where speculators' max_steps shortens it)."""
     seed_everything(p.seed, p.threads)
     d = setup_distributed(p.device)
-    if d.world != p.nproc_per_node:
-        raise TrainInputError(f"{d.world} training process(es) running, train.nproc_per_node "
-                              f"is {p.nproc_per_node}", fix="run the stage through `dvc repro "
-                              "train` (its cmd launches torchrun with train.nproc_per_node)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world))
+    if d.world != p.nproc_per_node * p.nnodes or local != p.nproc_per_node:
+        raise TrainInputError(
+            f"{d.world} training process(es) running ({local} on this node), "
+            f"train.nproc_per_node is {p.nproc_per_node} on each of train.nnodes {p.nnodes}",
+            fix="run the stage through `dvc repro train` (it launches torchrun from these "
+            "params) and every other node with the command `eagle3pipe launch` prints")
     backend = backend_for(p.device)
     if d.device.type == "cpu":
         torch.use_deterministic_algorithms(True)

@@ -1,5 +1,5 @@
-"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps`, `gc` and
-`serve`.
+"""Command line: `eagle3pipe render`, `check`, `plan` (no DVC involved), `deps`, `gc`, `serve`
+and `launch`.
 Exit codes: eagle3pipe.errors (0 ok, 1 a check found differences, 2 an input to fix)."""
 from __future__ import annotations
 
@@ -142,6 +142,25 @@ def cmd_serve(args) -> int:
                        draft=not args.no_draft, timeout=args.timeout, echo=not args.quiet)
 
 
+def cmd_launch(args) -> int:
+    from eagle3pipe.runtime import launch as run_launch
+    from eagle3pipe.tools import launch
+
+    t = params.load(args.params).train
+    script = launch.stage_script(args.dvc_yaml)
+    if args.slurm:
+        launch.node_commands(t, script)  # refuses nnodes 1
+        text = run_launch.slurm_script(t, script, workdir=str(Path.cwd()))
+        Path(args.slurm).write_text(text)
+        print(f"wrote {args.slurm}: `sbatch {args.slurm}` starts nodes 1..{t.nnodes - 1}; "
+              f"node 0 is `dvc repro train` here, at {t.rdzv_endpoint}")
+        return EXIT_OK
+    for rank, line in launch.node_commands(t, script, args.node_rank).items():
+        print(f"# node {rank} of {t.nnodes}, in this repository's directory on that node:\n{line}"
+              if args.node_rank is None else line)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3pipe", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -188,10 +207,18 @@ def main(argv: list[str] | None = None) -> int:
                     "arguments (the baseline to compare with)")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
     sv.add_argument("--quiet", action="store_true", help="do not echo the server's output")
+    la = sub.add_parser("launch", help="the train stage's torchrun command for the other "
+                        "nodes (train.nnodes > 1), or a Slurm batch script that runs it")
+    la.add_argument("--params", default="params.yaml")
+    la.add_argument("--dvc-yaml", default="dvc.yaml")
+    la.add_argument("--node-rank", type=int, default=None,
+                    help="print only this node's command (1 .. train.nnodes - 1)")
+    la.add_argument("--slurm", metavar="FILE", help="write a Slurm batch script for nodes "
+                    "1 .. train.nnodes - 1 instead")
     args = ap.parse_args(argv)
     try:
         return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan, "deps": cmd_deps,
-                "gc": cmd_gc, "serve": cmd_serve}[args.cmd](args)
+                "gc": cmd_gc, "serve": cmd_serve, "launch": cmd_launch}[args.cmd](args)
     except Error as e:
         print(f"eagle3pipe {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_INPUT

@@ -34,6 +34,7 @@ from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier import fingerprint as fp
 from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
+from eagle3pipe.verifier.size import config_param_estimate
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,16 @@ def estimate(params: Params, f: E.Figures) -> E.Estimate:
     if params.verifier.path is not None or e is None:
         return E.Estimate("verifier", f"none (fingerprint: {params.verifier.hash_mode})", 1,
                           notes=[f"fingerprints {params.verifier.path}; writes a manifest only"])
+    # the size the params ask for: the config on disk may be a previous build's
+    n, _ = config_param_estimate({
+        "hidden_size": e.hidden_size, "num_hidden_layers": e.num_hidden_layers,
+        "vocab_size": e.tokenizer_vocab_size, "intermediate_size": e.intermediate_size,
+        "num_attention_heads": e.num_attention_heads,
+        "num_key_value_heads": e.num_key_value_heads, "head_dim": e.head_dim,
+        "tie_word_embeddings": False})
     return E.Estimate(
         "verifier", f"torch CPU x{e.threads} threads (embedded)", 1,
-        tokens=e.train_steps * e.batch_size * e.seq_len, disk_bytes=f.verifier_disk,
-        host_bytes=f.verifier_params * E.ADAMW_BYTES_PER_PARAM, sized_by="verifier.embedded",
-        notes=[f"trains {f.verifier_params:,} parameters for {e.train_steps} steps of "
+        tokens=e.train_steps * e.batch_size * e.seq_len, disk_bytes=n * 4,  # float32 weights
+        host_bytes=n * E.ADAMW_BYTES_PER_PARAM, sized_by="verifier.embedded",
+        notes=[f"trains {n:,} parameters for {e.train_steps} steps of "
                f"{e.batch_size} x {e.seq_len} tokens"])

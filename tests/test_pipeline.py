@@ -4,7 +4,9 @@ cold run is conftest.py's session fixture (tests/test_serve.py serves its export
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,6 +32,7 @@ CHANGES = [
     ("extract.dtype", "float32"),
     ("verifier.embedded.train_steps", 20),
 ]
+ENGINE_BOUND = "vllm.gpu_memory_utilization"  # engine_bound_changes_no_output's job
 
 
 def test_cold_run_executes_every_stage_and_then_nothing(micro):
@@ -69,11 +72,10 @@ def test_no_stage_declares_a_key_it_never_reads(micro):
                     f"stage {stage} declares {leaf} (via {d}) but never read it"
 
 
-@pytest.mark.parametrize("key,value", CHANGES, ids=[k for k, _ in CHANGES])
-def test_change_reruns_exactly_the_table_row_and_revert_restores(micro, key, value):
+def change_and_revert(repo, key: str, value) -> None:
     """A -> B reruns exactly the table's row; B -> A executes nothing that matters (DVC's
-    run-cache restores it) and gives back byte-identical outputs."""
-    repo, _ = micro
+    run-cache restores it) and gives back byte-identical outputs; the repo is left as
+    committed."""
     expected = set(graph.invalidation_table(repo / "dvc.yaml", repo / "params.yaml",
                                             repo / "configs/verifier_config.json")[key])
     outputs = ("configs", "metrics", "plots", "artifacts/train", "artifacts/export",
@@ -99,12 +101,12 @@ def test_change_reruns_exactly_the_table_row_and_revert_restores(micro, key, val
     assert {p: digest(repo / p) for p in outputs} == before, f"revert of {key} changed outputs"
 
 
-def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(micro):
+def engine_bound_changes_no_output(repo) -> None:
     """vllm.gpu_memory_utilization is in the table's engine row (every stage that starts vLLM
     declares the vllm: section, and configs renders the serving recipe from it), but it cannot
     change a number: the three engine stages rerun and write the same bytes, configs rewrites
-    configs/serve/ only, which no stage reads, so nothing behind them runs."""
-    repo, _ = micro
+    configs/serve/ only, which no stage reads, so nothing behind them runs; the repo is left
+    as committed."""
     before, old = out_hashes(repo), get_param(repo, "vllm.gpu_memory_utilization")
     set_param(repo, "vllm.gpu_memory_utilization", old / 2)
     try:
@@ -118,9 +120,61 @@ def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(micro):
         sh(repo, "git", "checkout", "--", ".")
 
 
-def test_two_cold_clones_give_identical_lock_hashes(cold_pair):
-    repo, _, other, bg = cold_pair
-    assert finish_repro(other, bg) == set(STAGES)
+@pytest.fixture(scope="module")
+def second(cold_pair):
+    """The second cold repo, its run finished and committed: (repo, the stages that ran)."""
+    _, _, other, bg = cold_pair
+    ran = finish_repro(other, bg)
+    sh(other, "git", "add", "-A")
+    sh(other, "git", "commit", "-q", "-m", "cold run")
+    return other, ran
+
+
+@pytest.fixture(scope="module")
+def changes(micro, second) -> dict[str, BaseException | None]:
+    """Every change of CHANGES through change_and_revert, and engine_bound_changes_no_output,
+    two at a time, each on whichever of the two cold repos is free (both hold the same bytes
+    and their own run-cache): most of a micro stage is its interpreter's imports, on one core.
+    What each raised, by key (ENGINE_BOUND: the engine bound's)."""
+    free: queue.Queue = queue.Queue()
+    free.put(micro[0])
+    free.put(second[0])
+
+    def one(change: tuple[str, object]) -> BaseException | None:
+        repo = free.get()
+        try:
+            if change[0] == ENGINE_BOUND:
+                engine_bound_changes_no_output(repo)
+            else:
+                change_and_revert(repo, *change)
+            return None
+        except BaseException as e:  # re-raised by the change's own test
+            return e
+        finally:
+            free.put(repo)
+
+    jobs = [*CHANGES, (ENGINE_BOUND, None)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip((k for k, _ in jobs), pool.map(one, jobs)))
+
+
+@pytest.mark.parametrize("key,value", CHANGES, ids=[k for k, _ in CHANGES])
+def test_change_reruns_exactly_the_table_row_and_revert_restores(changes, key, value):
+    """change_and_revert on a cold repo (the changes run two at a time: the `changes`
+    fixture)."""
+    if changes[key] is not None:
+        raise changes[key]
+
+
+def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(changes):
+    """engine_bound_changes_no_output on a cold repo (run by the `changes` fixture)."""
+    if changes[ENGINE_BOUND] is not None:
+        raise changes[ENGINE_BOUND]
+
+
+def test_two_cold_clones_give_identical_lock_hashes(micro, second):
+    repo, (other, ran) = micro[0], second
+    assert ran == set(STAGES)
     a, b = lock_hashes(repo), lock_hashes(other)
     assert a.keys() == b.keys()
     assert {k for k in a if a[k] != b[k]} == set()

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, cpu_meter, interleave, log, machine, now_iso, rnd  # noqa: E402
 
-# (hidden, layers) of the verifiers; the first is the embedded default's size
+# (hidden, layers) of the verifiers; 256 x 16 is the embedded default's size (the smoke stage's
+# measured speedups are shown beside its rows)
 GRID = ((256, 4), (256, 16), (512, 8), (512, 24), (1024, 16), (1024, 32))
 QUICK_GRID = ((64, 2), (64, 8))
 FAMILY = "random-init Llama: head_dim 64, heads hidden/64, KV heads heads/2, MLP 2 x hidden"
@@ -264,12 +265,11 @@ def tsv(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def png(rows: list[dict], path: Path, measured: dict | None = None,
-        measured_batch: int | None = None) -> bool:
+def png(rows: list[dict], path: Path, measured: dict | None = None) -> bool:
     """Best modelled speedup against verifier parameters (log scale), draft and ngram, one
     line per batch size, with the no-speculation line at 1 and the smoke stage's measured
-    speedups (at `measured_batch`, the embedded size) as squares; drawn with Pillow. False when
-    Pillow is missing."""
+    speedups (measured_speedups: at the serving k, per batch size, at the size of the verifier
+    it ran) as squares; drawn with Pillow. False when Pillow is missing."""
     try:
         from PIL import Image, ImageDraw, ImageFont
     except ImportError:
@@ -287,7 +287,10 @@ def png(rows: list[dict], path: Path, measured: dict | None = None,
     xs = [math.log10(r["verifier_params"]) for r in sizes]
     x0, x1 = min(xs) - 0.1, max(xs) + 0.1
     ys = [r["model"][m]["speedup"] for r in rows for m in ("draft_best", "ngram_best")]
-    ys += list((measured or {}).values())
+    got_by_batch = (measured or {}).get("batches", {})
+    ys += [v for got in got_by_batch.values() for v in got.values()]
+    at = next((x for r, x in zip(sizes, xs) if measured and
+               (r["hidden"], r["layers"]) == (measured["hidden"], measured["layers"])), None)
     ymax = max(1.2, max(ys) * 1.45)  # room for the legend above the lines
 
     def px(v):
@@ -330,11 +333,11 @@ def png(rows: list[dict], path: Path, measured: dict | None = None,
             g.text((left + 10, top + 16 * line), f"{name}, batch {b} (model)", fill=c,
                    font=font, anchor="lt")
             line += 1
-            got = (measured or {}).get(m.split("_")[0])
-            if got is not None and b == measured_batch:
-                x, y = px(xs[0]), py(got)
+            got = got_by_batch.get(str(b), {}).get(m.split("_")[0])
+            if got is not None and at is not None:
+                x, y = px(at), py(got)
                 g.rectangle([x - 4, y - 4, x + 4, y + 4], outline=c, width=2)
-    if measured:
+    if got_by_batch and at is not None:
         g.text((left + 10, top + 16 * line), "squares: measured in vLLM (smoke stage, serving k)",
                fill=(90, 90, 90), font=font, anchor="lt")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -392,16 +395,46 @@ def run(grid, *, smoke: dict, draft_params, vocab: int, batches: list[int], cont
             "other_processes_cpu_share": None if share is None else round(share, 3)}
 
 
-def measured_speedups(timing_path: Path) -> dict | None:
-    """The smoke stage's measured speedups at the serving k (metrics/smoke_timing.json), and
-    its busy warning (None on a quiet run)."""
+def measured_speedups(timing_path: Path, verifier_metrics: Path) -> dict | None:
+    """The smoke stage's measured median speedups at the serving k (metrics/smoke_timing.json)
+    by batch size (its smoke batch and, when measured, batch 1), the verifier they were
+    measured on (metrics/verifier.json: hidden size, layers) and the busy warning (None on a
+    quiet run)."""
     try:
         t = json.loads(timing_path.read_text())
-        return {"draft": t["speedup"]["vllm"], "ngram": t["speedup"]["ngram"],
-                "k": t["num_speculative_tokens"],
+        v = json.loads(verifier_metrics.read_text())
+        batches = {str(t["batch_size"]): {"draft": t["speedup"]["vllm"],
+                                          "ngram": t["speedup"]["ngram"]}}
+        if "batch_1" in t:
+            batches["1"] = {"draft": t["batch_1"]["speedup"]["vllm"],
+                            "ngram": t["batch_1"]["speedup"]["ngram"]}
+        return {"batches": batches, "k": t["num_speculative_tokens"],
+                "hidden": v["hidden_size"], "layers": v["num_hidden_layers"],
                 "busy_warning": t.get("machine", {}).get("busy_warning")}
     except (OSError, KeyError, ValueError):
         return None
+
+
+def modelled_vs_measured(rows: list[dict], measured: dict | None) -> list[dict]:
+    """For each row of the grid at the measured verifier's size and a batch size the smoke
+    stage measured: the model's speedup at the serving k beside the measured one, and their
+    ratio (measured / modelled) for the draft and for ngram."""
+    if not measured:
+        return []
+    out = []
+    k = str(measured["k"])
+    for r in rows:
+        got = measured["batches"].get(str(r["batch"]))
+        if (r["hidden"], r["layers"]) != (measured["hidden"], measured["layers"]) or not got:
+            continue
+        entry: dict = {"hidden": r["hidden"], "layers": r["layers"], "batch": r["batch"],
+                       "k": measured["k"]}
+        for m in ("draft", "ngram"):
+            mod = r["model"][m].get(k)
+            entry[m] = {"modelled": mod, "measured": got[m],
+                        "measured_over_modelled": rnd(got[m] / mod) if mod else None}
+        out.append(entry)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the acceptance measured in vLLM")
     ap.add_argument("--timing", type=Path, default=ROOT / "metrics/smoke_timing.json",
                     help="the smoke stage's measured speedups, shown beside the model")
+    ap.add_argument("--verifier-metrics", type=Path, default=ROOT / "metrics/verifier.json",
+                    help="the size of the verifier the smoke stage measured")
     ap.add_argument("--out", type=Path, default=None,
                     help="where speedup.{json,tsv,png} go (default bench/; --quick: nowhere)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -431,8 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     res.update(date=now_iso(), quick=args.quick, **machine(),
                command=" ".join(["python", "bench/speedup.py",
                                  *(argv if argv is not None else sys.argv[1:])]))
-    res["measured_in_vllm"] = measured_speedups(args.timing)
+    res["measured_in_vllm"] = measured_speedups(args.timing, args.verifier_metrics)
+    res["modelled_vs_measured"] = modelled_vs_measured(res["rows"], res["measured_in_vllm"])
     print(table(res))
+    for e in res["modelled_vs_measured"]:
+        print(f"{e['hidden']} x {e['layers']}, batch {e['batch']}, k {e['k']}: " + ", ".join(
+            f"{m} modelled {e[m]['modelled']} measured {e[m]['measured']} "
+            f"(ratio {e[m]['measured_over_modelled']})" for m in ("draft", "ngram")))
     out = args.out or (None if args.quick else ROOT / "bench")
     if out is not None:
         write(res, out)
@@ -447,9 +487,8 @@ def write(res: dict, out: Path) -> None:
     write_text_atomic(out / "speedup.json", dumps(res))
     write_text_atomic(out / "speedup.tsv", tsv(res["rows"]))
     measured = res.get("measured_in_vllm") or {}
-    shown = None if measured.get("busy_warning") else {  # a busy run's timings say little
-        m: measured[m] for m in ("draft", "ngram") if m in measured}
-    if not png(res["rows"], out / "speedup.png", shown, max(res["batches"])):
+    shown = None if measured.get("busy_warning") else measured  # a busy run's say little
+    if not png(res["rows"], out / "speedup.png", shown or None):
         log("Pillow is not importable: no png (the tsv has the numbers)")
     for suffix in ("json", "tsv", "png"):
         if (out / f"speedup.{suffix}").exists():

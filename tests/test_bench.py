@@ -75,6 +75,16 @@ def test_speedup_model_is_the_standard_formula():
                                            "5": {"vllm": {"acceptance_rate_per_position": [1] * 5},
                                                  "ngram": {"acceptance_rate_per_position": [0] * 5}}
                                            }})[0] == {"draft": [1] * 5, "ngram": [0] * 5}
+    # the measured speedups sit beside the model's rows of the measured size and batch only
+    r1 = dict(row, batch=1, model=m)
+    measured = {"batches": {"1": {"draft": 1.2, "ngram": 1.0}, "16": {"draft": 2, "ngram": 1}},
+                "k": 2, "hidden": 8, "layers": 1}
+    got = speedup.modelled_vs_measured([r1, dict(r1, layers=2)], measured)
+    assert len(got) == 1 and got[0]["batch"] == 1 and got[0]["k"] == 2
+    assert got[0]["draft"] == {"modelled": m["draft"]["2"], "measured": 1.2,
+                               "measured_over_modelled": speedup.rnd(1.2 / m["draft"]["2"])}
+    assert got[0]["ngram"]["measured_over_modelled"] == speedup.rnd(1.0 / 1.2)
+    assert speedup.modelled_vs_measured([r1], None) == []
 
 
 def test_speedup_point_times_real_forwards(tmp_path):

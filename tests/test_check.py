@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from helpers.malformed import CORRUPT
 from helpers.micro import ROOT
 
 KIMI = ROOT / "examples/kimi-k2.5"
+# a fixed draft for tests/data/verifier_config.json (H 256, 4 layers), so that the checkpoint and
+# config checks do not move with the default params.yaml
+DATA_PARAMS = ROOT / "tests/data/params.yaml"
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -90,7 +94,7 @@ MICRO_VERIFIER = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
 
 
 def micro_arch(tmp_path, **over) -> A.DraftArch:
-    text = (ROOT / "params.yaml").read_text()
+    text = (DATA_PARAMS).read_text()
     text = text.replace("  head_dim: 128", f"  head_dim: {over.get('head_dim', 32)}")
     text = text.replace("  draft_vocab_size: 1024", "  draft_vocab_size: 64")
     text = text.replace("  num_attention_heads: 4\n  num_key_value_heads: 2",
@@ -218,7 +222,7 @@ def test_config_without_head_dim(tmp_path):
 def _repo_with_configs(tmp_path) -> Path:
     v = tmp_path / "verifier.json"
     v.write_text(json.dumps({**MICRO_VERIFIER, "hidden_size": 256, "vocab_size": 4096}))
-    rc, _, err = run_cli("render", "--params", ROOT / "params.yaml", "--verifier-config", v,
+    rc, _, err = run_cli("render", "--params", DATA_PARAMS, "--verifier-config", v,
                          "--out", tmp_path / "configs")
     assert rc == 0, err
     return v
@@ -226,7 +230,7 @@ def _repo_with_configs(tmp_path) -> Path:
 
 def test_hand_edited_config_is_reported(tmp_path):
     v = _repo_with_configs(tmp_path)
-    base = ["check", "--params", ROOT / "params.yaml", "--verifier-config", v,
+    base = ["check", "--params", DATA_PARAMS, "--verifier-config", v,
             "--configs", tmp_path / "configs", "--no-scan"]
     assert run_cli(*base)[0] == 0
     f = tmp_path / "configs/vllm/config.json"
@@ -243,23 +247,23 @@ def test_cli_checks_a_checkpoint_against_params(tmp_path):
     from dataclasses import replace
 
     v = _repo_with_configs(tmp_path)
-    a = A.derive(P.load(ROOT / "params.yaml").draft, VerifierInfo.from_config(v))
-    base = ["check", "--params", ROOT / "params.yaml", "--verifier-config", v,
+    a = A.derive(P.load(DATA_PARAMS).draft, VerifierInfo.from_config(v))
+    base = ["check", "--params", DATA_PARAMS, "--verifier-config", v,
             "--configs", tmp_path / "configs", "--no-scan"]
     rc, out, err = run_cli(*base, "--checkpoint", write_checkpoint(tmp_path / "good", a, "vllm"))
     assert rc == 0 and "check: OK" in out, err
     bad = write_checkpoint(tmp_path / "bad", replace(a, head_dim=64), "speculators")
     rc, out, err = run_cli(*base, "--checkpoint", bad)
     assert rc == 1
-    assert f"{bad / 'config.json'}: head_dim = 64 but {ROOT / 'params.yaml'} gives 128" in err
+    assert f"{bad / 'config.json'}: head_dim = 64 but {DATA_PARAMS} gives 128" in err
     assert "layers.0.self_attn.q_proj.weight has shape [256, 512] but " \
-           f"{ROOT / 'params.yaml'} needs [512, 512]" in err
+           f"{DATA_PARAMS} needs [512, 512]" in err
 
 
 def test_render_is_byte_identical_and_idempotent(tmp_path):
     v = _repo_with_configs(tmp_path)
     first = {p: p.read_bytes() for p in (tmp_path / "configs").rglob("*.json")}
-    rc, out, _ = run_cli("render", "--params", ROOT / "params.yaml", "--verifier-config", v,
+    rc, out, _ = run_cli("render", "--params", DATA_PARAMS, "--verifier-config", v,
                          "--out", tmp_path / "configs")
     assert rc == 0 and "written" not in out
     assert first == {p: p.read_bytes() for p in (tmp_path / "configs").rglob("*.json")}
@@ -291,14 +295,14 @@ VCFG = ROOT / "tests/data/verifier_config.json"
 
 def cli_checkpoint(ck: Path) -> tuple[int, str, str]:
     """`eagle3pipe check --checkpoint ck` against params.yaml (verifier: tests/data's)."""
-    rc, out, err = run_cli("check", "--params", ROOT / "params.yaml", "--verifier-config", VCFG,
+    rc, out, err = run_cli("check", "--params", DATA_PARAMS, "--verifier-config", VCFG,
                            "--no-configs", "--no-scan", "--checkpoint", ck)
     assert "Traceback" not in out + err
     return rc, out, err
 
 
 def params_arch() -> A.DraftArch:
-    return A.derive(P.load(ROOT / "params.yaml").draft, VerifierInfo.from_config(VCFG))
+    return A.derive(P.load(DATA_PARAMS).draft, VerifierInfo.from_config(VCFG))
 
 
 def rewrite(ck: Path, **change) -> None:
@@ -358,7 +362,7 @@ def test_malformed_checkpoint_is_named_and_nothing_written(tmp_path, case):
     rc, out, err = cli_checkpoint(ck)
     assert rc == 1, out + err
     want = want.format(st=ck / "model.safetensors", ck=ck, cfg=ck / "config.json",
-                       params=ROOT / "params.yaml")
+                       params=DATA_PARAMS)
     assert want in err, err
     assert _tree(tmp_path) == before
 
@@ -461,7 +465,7 @@ def git_repo(root: Path, files: dict[str, str]) -> Path:
 
 
 def cli_scan(repo: Path) -> tuple[int, str, str]:
-    rc, out, err = run_cli("check", "--params", ROOT / "params.yaml", "--verifier-config", VCFG,
+    rc, out, err = run_cli("check", "--params", DATA_PARAMS, "--verifier-config", VCFG,
                            "--no-configs", "--root", repo)
     assert "Traceback" not in out + err
     return rc, out, err
@@ -547,7 +551,7 @@ def test_scan_message_names_params_value_and_fix(tmp_path):
                                                        "--num-speculative-tokens 5\n"}))
     assert rc == 1
     assert "serve.sh:1: --num-speculative-tokens (num_speculative_tokens) = 5 written by hand, " \
-           f"but params and the rendered configs say 3 ({ROOT / 'params.yaml'} " \
+           f"but params and the rendered configs say 3 ({DATA_PARAMS} " \
            "draft.num_speculative_tokens); fix: derive it from params.yaml or read it from " \
            "configs/; a deliberate difference gets a `check: ignore` comment" in err, err
 
@@ -623,7 +627,7 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
         "vllm serve m --speculative-config '{\"method\":\"eagle3\",\"num_speculative_tokens\":5}'"
         "\nvllm serve m --head-dim 96\n")})
     r = subprocess.run([sys.executable, "-m", "eagle3pipe.tools.cli", "check", "--params",
-                        str(ROOT / "params.yaml"), "--verifier-config", str(VCFG),
+                        str(DATA_PARAMS), "--verifier-config", str(VCFG),
                         "--no-configs", "--root", str(repo)], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
     assert "serve.sh:1: num_speculative_tokens = 5" in r.stderr

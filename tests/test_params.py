@@ -40,12 +40,12 @@ def _case(needle, new, key, msg=None):
 
 # (line to find, replacement line, key the error must name, regex the message must match)
 CASES = [
-    _case("  head_dim: 128", "  head_dim: 127", "draft.head_dim", "even"),
-    _case("  head_dim: 128", "  head_dim: -128", "draft.head_dim", ">="),
-    _case("  head_dim: 128", "  head_dim: '128'", "draft.head_dim", "integer"),
-    _case("  head_dim: 128", "  head_dim: 128.0", "draft.head_dim", "integer"),
-    _case("  head_dim: 128", "  head_dim: null", "draft.head_dim", "null"),
-    _case("  head_dim: 128", "  head_dmi: 128", "draft.head_dmi", "unknown key"),
+    _case("  head_dim: 64", "  head_dim: 127", "draft.head_dim", "even"),
+    _case("  head_dim: 64", "  head_dim: -128", "draft.head_dim", ">="),
+    _case("  head_dim: 64", "  head_dim: '128'", "draft.head_dim", "integer"),
+    _case("  head_dim: 64", "  head_dim: 128.0", "draft.head_dim", "integer"),
+    _case("  head_dim: 64", "  head_dim: null", "draft.head_dim", "null"),
+    _case("  head_dim: 64", "  head_dmi: 128", "draft.head_dmi", "unknown key"),
     _case("  num_attention_heads: 4", "  num_attention_heads: 0", "draft.num_attention_heads",
           ">="),
     _case("  num_key_value_heads: 2", "  num_key_value_heads: 3", "draft.num_key_value_heads",
@@ -73,6 +73,9 @@ CASES = [
           "smoke.min_acceptance_length", ">="),
     _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",
           "smoke.ngram_prompt_lookup_min", "larger"),
+    _case("  batch1_prompts:", "  batch1_prompts: 99", "smoke.batch1_prompts", "more than"),
+    _case("  nnodes: 1", "  nnodes: 2", "train.nnodes", "train.rdzv_endpoint is null"),
+    _case("  nnodes: 1", "  nnodes: 0", "train.nnodes", ">="),
     _case("  rms_norm_eps: 1.0e-06", "  rms_norm_eps: .nan", "draft.rms_norm_eps", "finite"),
     _case("  rope_theta: 10000.0", "  rope_theta: .inf", "draft.rope_theta",
           "finite"),
@@ -99,12 +102,12 @@ CASES = [
     _case("    threads: 2", "    threads: 0", "verifier.embedded.threads", ">="),
     _case("    seed: 0", "    seed: -1", "verifier.embedded.seed", ">="),
     # sizes no machine can hold (arch.LARGEST_ACCELERATOR_BYTES), or the verifier forbids
-    _case("  head_dim: 128", "  head_dim: 100000000000", "draft.head_dim",
-          r"1,024\.0 TB of weights .*the largest: NVIDIA B300"),
-    _case("  intermediate_size: 688", "  intermediate_size: 100000000000",
-          "draft.intermediate_size", r"153\.6 TB of weights .*no machine can train or serve it"),
+    _case("  head_dim: 64", "  head_dim: 100000000000", "draft.head_dim",
+          r"512\.0 TB of weights .*the largest: NVIDIA B300"),
+    _case("  intermediate_size: 344", "  intermediate_size: 100000000000",
+          "draft.intermediate_size", r"76\.8 TB of weights .*no machine can train or serve it"),
     _case("  num_attention_heads: 4", "  num_attention_heads: 100000000000",
-          "draft.num_attention_heads", "does not divide the verifier hidden size 256"),
+          "draft.num_attention_heads", "does not divide the verifier hidden size 128"),
     _case("  draft_vocab_size:", "  draft_vocab_size: 100000000000", "draft.draft_vocab_size",
           "exceeds the verifier's vocab_size 4096"),
 ]
@@ -133,9 +136,9 @@ def run_render(tmp_path: Path, text: str) -> tuple[int, str, Path]:
     return rc, err.getvalue(), out
 
 
-# a verifier like the embedded default: H=256, 4 layers, vocab 4096
-VERIFIER_JSON = ('{"architectures": ["LlamaForCausalLM"], "hidden_size": 256, '
-                 '"num_hidden_layers": 4, "vocab_size": 4096, "num_attention_heads": 4, '
+# a verifier like the embedded default: H=128, 16 layers, vocab 4096
+VERIFIER_JSON = ('{"architectures": ["LlamaForCausalLM"], "hidden_size": 128, '
+                 '"num_hidden_layers": 16, "vocab_size": 4096, "num_attention_heads": 2, '
                  '"bos_token_id": 0, "eos_token_id": 3}')
 
 
@@ -162,7 +165,7 @@ def test_malformed_value(tmp_path, verifier_json, needle, new, key, msg):
 
 
 def test_missing_key_names_section_line(tmp_path, verifier_json):
-    n = line_no(DEFAULT, "  intermediate_size: 688")
+    n = line_no(DEFAULT, "  intermediate_size: 344")
     lines = DEFAULT.splitlines()
     del lines[n - 1]
     rc, err, out = run_render(tmp_path, "\n".join(lines) + "\n")
@@ -183,7 +186,7 @@ def test_unknown_top_level_section(tmp_path, verifier_json):
 
 
 def test_yaml_syntax_error(tmp_path, verifier_json):
-    text, line = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: [128")
+    text, line = replace_line(DEFAULT, "  head_dim: 64", "  head_dim: [128")
     rc, err, out = run_render(tmp_path, text)
     refused(rc, err, out, "(yaml): YAML syntax error")
     assert re.search(rf"params\.yaml:{line + 1}: \(yaml\)", err), err  # where the list breaks
@@ -203,7 +206,7 @@ def test_section_not_mapping(tmp_path, verifier_json):
 
 
 def test_all_problems_listed_at_once(tmp_path, verifier_json):
-    text, _ = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: 127")
+    text, _ = replace_line(DEFAULT, "  head_dim: 64", "  head_dim: 127")
     text, _ = replace_line(text, "  device: cpu", "  device: tpu")
     rc, err, out = run_render(tmp_path, text)
     refused(rc, err, out, "2 problem(s)")
@@ -214,14 +217,14 @@ def test_all_problems_listed_at_once(tmp_path, verifier_json):
 
 
 CROSS_CASES = [
-    _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 4]", "draft.aux_layer_ids",
-          r"outside the verifier's layers 0\.\.3"),
+    _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 16]", "draft.aux_layer_ids",
+          r"outside the verifier's layers 0\.\.15"),
     _case("  draft_vocab_size:", "  draft_vocab_size: 5000", "draft.draft_vocab_size",
           "exceeds the verifier's vocab_size 4096"),
     _case("  num_attention_heads: 4", "  num_attention_heads: 6", "draft.num_attention_heads",
           "hidden % heads"),
     _case("  dtype: bfloat16", "  dtype: bfloat16\n  hidden_size: 512", "draft.hidden_size",
-          "differs from the verifier's hidden_size 256"),
+          "differs from the verifier's hidden_size 128"),
 ]
 
 
@@ -251,7 +254,7 @@ def test_stage_refuses_a_draft_that_fits_nowhere(tmp_path, verifier_json, script
     import subprocess
     import sys
 
-    text, line = replace_line(DEFAULT, "  head_dim: 128", "  head_dim: 100000000000")
+    text, line = replace_line(DEFAULT, "  head_dim: 64", "  head_dim: 100000000000")
     (tmp_path / "params.yaml").write_text(text)
     r = subprocess.run([sys.executable, str(ROOT / f"stages/{script}.py"), "--params",
                         "params.yaml", "--dvc-yaml", str(ROOT / "dvc.yaml"), *paths],

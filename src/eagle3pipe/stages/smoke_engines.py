@@ -2,9 +2,10 @@
 (engine.engines). The non-speculative reference stays up for the whole run; each group of
 speculative engines (one k) starts, makes its counted pass (lossless check and acceptance
 counters, on a fresh engine; at the serving k the draft in the vllm layout also generates the
-eval split's prompts for eagle3pipe.stages.smoke_agreement), then `smoke.timing_rounds` rounds
-follow in which the reference and every engine of the group generate the whole prompt set once
-each, in alternating order (A B C, C B A, ...), so that other work on the machine slows every
+eval split's prompts for eagle3pipe.stages.smoke_agreement), then one warm-up round (every
+engine of the group and the reference once, not recorded: the first passes after engine starts
+and other work measured slow), then `smoke.timing_rounds` rounds follow in which the reference
+and every engine of the group generate the whole prompt set once each, in alternating order (A B C, C B A, ...), so that other work on the machine slows every
 method alike. In every timed pass the engine also generates the first `smoke.batch1_prompts`
 prompts one request at a time (batch-1 latency). Python's garbage collector is held off while a
 pass is timed and run between passes, so that no pass pays for another's garbage.
@@ -152,17 +153,17 @@ def run_engines(s, inp: Inputs, eval_prompts: list[EvalPrompt] | None = None, *,
                 progress: bool = True) -> Measured:
     """All engines in this process: the non-speculative reference stays up for the whole run;
     each group of speculative engines (one k) starts, makes its counted pass (the draft in
-    the vllm layout at the serving k then also generates `eval_prompts`), then
-    smoke.timing_rounds rounds alternate the reference and the group's engines, each pass at the
-    smoke batch and (smoke.batch1_prompts) at batch 1."""
+    the vllm layout at the serving k then also generates `eval_prompts`), then after a warm-up
+    round smoke.timing_rounds rounds alternate the reference and the group's engines, each pass
+    at the smoke batch and (smoke.batch1_prompts) at batch 1."""
     plan = groups(s, inp)
     rounds = s.timing_rounds
-    total = 1 + sum(len(g) + rounds * (len(g) + 1) for _, g in plan) + bool(eval_prompts)
+    total = 1 + sum(len(g) + (rounds + 1) * (len(g) + 1) for _, g in plan) + bool(eval_prompts)
     agreement = None
     runs: dict[tuple[str, int], EngineRun] = {}
     timed: dict[tuple[str, int], list[Pass]] = {}
     timed1: dict[tuple[str, int], list[Pass]] = {}
-    seconds = {"engine_start": 0.0, "counted": 0.0, "timed": 0.0}
+    seconds = {"engine_start": 0.0, "counted": 0.0, "warm_up": 0.0, "timed": 0.0}
     bar = tqdm(total=total, desc="smoke: generate", unit="pass", disable=not progress,
                mininterval=1.0)
     meter = CpuMeter()
@@ -200,6 +201,13 @@ def run_engines(s, inp: Inputs, eval_prompts: list[EvalPrompt] | None = None, *,
                     bar.update()
                 llms[name] = llm
             order = [(REFERENCE, ref_llm), *llms.items()]
+            t0 = time.perf_counter()
+            for name, llm in order[::-1]:  # the warm-up round: every engine once, not recorded
+                generate(llm, inp, s, counted=False)
+                if s.batch1_prompts:
+                    generate_single(llm, inp, s)
+            bar.update(len(order))
+            seconds["warm_up"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             meter.resume()
             for r in range(rounds):

@@ -261,7 +261,7 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
 
 def scaling_draft(draft_params, hidden: int, vocab: int):
     """The draft for a scaling point: params' heads, and the default's proportions otherwise
-    (head_dim = hidden / 2, MLP = 2.6875 x hidden, i.e. 128 / 688 at hidden 256)."""
+    (head_dim = hidden / 2, MLP = 2.6875 x hidden: 64 / 344 at the default's hidden 128)."""
     return dataclasses.replace(draft_params, head_dim=max(2, hidden // 2),
                                intermediate_size=8 * round(hidden * 2.6875 / 8),
                                draft_vocab_size=min(1024, vocab // 4), hidden_size=None)

@@ -44,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, cpu_meter, interleave, log, machine, now_iso, rnd  # noqa: E402
 
-# (hidden, layers) of the verifiers; 256 x 16 is the embedded default's size (the smoke stage's
-# measured speedups are shown beside its rows)
-GRID = ((256, 4), (256, 16), (512, 8), (512, 24), (1024, 16), (1024, 32))
+# (hidden, layers) of the verifiers; 128 x 16 is the embedded default's size (the smoke stage's
+# measured speedups are shown beside its rows; the family and the draft proportions below are
+# exactly the default's there), 256 x 4 a shallow verifier of about the same parameters
+GRID = ((256, 4), (128, 16), (256, 16), (512, 8), (512, 24), (1024, 16), (1024, 32))
 QUICK_GRID = ((64, 2), (64, 8))
 FAMILY = "random-init Llama: head_dim 64, heads hidden/64, KV heads heads/2, MLP 2 x hidden"
 # one torch thread, timed in CPU time: a shared machine's other work then stretches no timing

@@ -24,12 +24,9 @@ from eagle3pipe.stages.export import TORCH_DTYPE
 from eagle3pipe.verifier.handle import VerifierInfo
 
 from helpers.malformed import CORRUPT
-from helpers.micro import ROOT
+from helpers.micro import DATA_PARAMS, ROOT
 
 KIMI = ROOT / "examples/kimi-k2.5"
-# a fixed draft for tests/data/verifier_config.json (H 256, 4 layers), so that the checkpoint and
-# config checks do not move with the default params.yaml
-DATA_PARAMS = ROOT / "tests/data/params.yaml"
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -276,7 +273,9 @@ def test_make_check_names_hand_edit(tmp_path):
     f = repo / "configs/draft_config.json"
     if not f.exists():
         pytest.skip("configs/ not committed yet")
-    f.write_text(f.read_text().replace('"head_dim": 128', '"head_dim": 112'))
+    text = f.read_text()
+    assert '"head_dim": 112' not in text
+    f.write_text(re.sub(r'"head_dim": \d+', '"head_dim": 112', text))
     import os
     import sys
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",

@@ -83,3 +83,24 @@ def test_smoke_metrics_follow_params(params):
         for name, f in methods.items():
             assert len(f["acceptance_rate_per_position"]) == int(kk), (kk, name, f)
             assert f["tokens_generated"] == reference, (kk, name, f["tokens_generated"])
+
+
+def test_smoke_timing_follows_params_and_the_metrics(params):
+    """metrics/smoke_timing.json was measured with these params (rounds, prompts, batch 1, the
+    k sweep) on the run whose metrics/smoke.json is committed (its sha256)."""
+    import hashlib
+
+    t, sm = metrics("smoke_timing"), params.smoke
+    assert t["smoke_metrics_sha256"] == hashlib.sha256(
+        (ROOT / "metrics/smoke.json").read_bytes()).hexdigest()
+    assert t["timing_rounds"] == sm.timing_rounds and t["num_prompts"] == sm.num_prompts
+    assert t["num_speculative_tokens"] == params.draft.num_speculative_tokens
+    sweep = sorted(set(sm.k_sweep) | {params.draft.num_speculative_tokens}) if sm.k_sweep else []
+    at = [t] + ([t["batch_1"]] if sm.batch1_prompts else [])
+    assert ("batch_1" in t) == bool(sm.batch1_prompts)
+    for figures in at:
+        assert sorted(map(int, figures.get("k_sweep", {}))) == sweep
+        for name, m in figures["methods"].items():
+            assert len(m["seconds"]) == sm.timing_rounds, name
+    if sm.batch1_prompts:
+        assert t["batch_1"]["num_prompts"] == sm.batch1_prompts

@@ -46,7 +46,7 @@ def test_declared_params_are_schema_keys():
 
 def test_invalidation_table_rows():
     """The promise in the README, as computed from dvc.yaml and the renderers."""
-    t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "params.yaml",
+    t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "tests/data/params.yaml",
                                  ROOT / "tests/data/verifier_config.json")
     assert t["draft.head_dim"] == ["configs", "train", "export", "smoke"]
     assert t["draft.aux_layer_ids"] == ["configs", "extract", "train", "export", "smoke"]

@@ -40,14 +40,14 @@ def replace(params: P.Params, section: str, **values) -> P.Params:
         section: dataclasses.replace(getattr(params, section), **values)})
 
 
-@pytest.mark.parametrize("params_file, config, hidden", [(DEFAULT, DEFAULT_VERIFIER, 256),
+@pytest.mark.parametrize("params_file, config, hidden", [(DEFAULT, DEFAULT_VERIFIER, 128),
                                                           (KIMI, KIMI_VERIFIER, 7168)])
 def test_figures_match_the_hand_formula_and_the_contract(params_file, config, hidden):
     params = P.load(params_file)
     p = plan.build(params, config, gpu=True)
     assert p.hidden_size == hidden
     assert p.hidden_bytes_per_token == (3 + 1) * hidden * 2  # bf16
-    assert p.hidden_bytes_per_token == {256: 2048, 7168: 57344}[hidden]
+    assert p.hidden_bytes_per_token == {128: 1024, 7168: 57344}[hidden]
     arch = A.derive(params.draft, VerifierInfo.from_config(config))
     specs = A.contract(arch, "speculators")
     weights = [s for s in specs.values() if s.dtype == "BF16"]
@@ -81,7 +81,7 @@ def test_hundred_million_kimi_tokens_are_5_2_tib():
 def test_tp_not_dividing_heads_is_reported():
     params = replace(P.load(DEFAULT), "vllm", tensor_parallel_size=3)
     found = "\n".join(plan.build(params, DEFAULT_VERIFIER, gpu=True).problems)
-    assert "does not divide the verifier's num_attention_heads 4" in found
+    assert "does not divide the verifier's num_attention_heads 2" in found
     assert "does not divide the draft's num_attention_heads 4" in found
     kimi = replace(P.load(KIMI), "vllm", tensor_parallel_size=6)
     found = "\n".join(plan.build(kimi, KIMI_VERIFIER, gpu=True).problems)
@@ -94,8 +94,8 @@ def test_hidden_state_store_larger_than_free_disk(monkeypatch, tmp_path):
     assert plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path).problems == []
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 ** 9, 0, 1000))
     found = plan.build(params, DEFAULT_VERIFIER, gpu=True, artifacts=tmp_path / "a").problems
-    d = params.dataset  # hidden states (3 aux + final) x 256 x bf16, + token ids + Arrow rows
-    store = d.num_samples * (d.max_prompt_tokens + d.max_new_tokens) * (2048 + 8 + 16)
+    d = params.dataset  # hidden states (3 aux + final) x 128 x bf16, + token ids + Arrow rows
+    store = d.num_samples * (d.max_prompt_tokens + d.max_new_tokens) * (1024 + 8 + 16)
     assert len(found) == 1 and f"dataset.num_samples: needs {units.human(store)}" in found[0]
     assert f"{tmp_path} has 1000 B free" in found[0] and "fix:" in found[0]
     assert estimate.disk_problem(999, tmp_path, "k") is None
@@ -164,21 +164,21 @@ def test_a_draft_no_accelerator_holds_is_refused_before_any_plan(tmp_path, capsy
     fits = int(re.search(r"fits at all only up to ([\d,]+)", str(e.value))[1].replace(",", ""))
     p = plan.build(replace(params, "draft", head_dim=fits), DEFAULT_VERIFIER, gpu=True,
                    device_gib=A.LARGEST_ACCELERATOR_BYTES / units.GiB)
-    # bytes per unit of head_dim at H 256, 4 heads, 2 KV heads, bf16: q [4 hd, 2H], k and v
+    # bytes per unit of head_dim at H 128, 4 heads, 2 KV heads, bf16: q [4 hd, 2H], k and v
     # [2 hd, 2H], o [H, 4 hd]
-    per_unit = (4 * 512 + 2 * 2 * 512 + 256 * 4) * 2
+    per_unit = (4 * 256 + 2 * 2 * 256 + 128 * 4) * 2
     assert A.LARGEST_ACCELERATOR_BYTES - 2 * per_unit < p.draft_bytes \
         <= A.LARGEST_ACCELERATOR_BYTES
     with pytest.raises(A.ArchError, match="draft.head_dim"):
         A.derive(dataclasses.replace(params.draft, head_dim=fits + 2), info)
     bad = tmp_path / "params.yaml"
-    bad.write_text(DEFAULT.read_text().replace("  head_dim: 128", "  head_dim: 100000000000"))
+    bad.write_text(DEFAULT.read_text().replace("  head_dim: 64 ", "  head_dim: 100000000000 "))
     assert cli.main(["plan", "--params", str(bad), "--verifier-config",
                      str(DEFAULT_VERIFIER), "--gpu"]) == 2
     err = capsys.readouterr().err
     line = next(i for i, t in enumerate(DEFAULT.read_text().splitlines(), 1)
-                if t.startswith("  head_dim: 128"))
-    assert f"{bad}:{line}: draft.head_dim: 100000000000 makes the draft 1,024.0 TB" in err, err
+                if t.startswith("  head_dim: 64 "))
+    assert f"{bad}:{line}: draft.head_dim: 100000000000 makes the draft 512.0 TB" in err, err
 
 
 def test_the_runners_estimate_skips_a_verifier_config_the_new_params_outgrew(tmp_path,
@@ -194,13 +194,10 @@ def test_the_runners_estimate_skips_a_verifier_config_the_new_params_outgrew(tmp
     from ruamel.yaml import YAML
 
     (tmp_path / "configs").mkdir()
-    shutil.copyfile(DEFAULT_VERIFIER, tmp_path / "configs/verifier_config.json")  # 4 layers
-    y = YAML()
-    doc = y.load(DEFAULT.read_text())
-    doc["verifier"]["embedded"]["num_hidden_layers"] = 16
-    doc["draft"]["aux_layer_ids"] = [2, 8, 14]
-    with (tmp_path / "params.yaml").open("w") as fh:
-        y.dump(doc, fh)
+    # a previous run's 4-layer verifier; the default params ask for 16 layers, aux ids [2, 8, 13]
+    shutil.copyfile(ROOT / "tests/data/verifier_config.json",
+                    tmp_path / "configs/verifier_config.json")
+    shutil.copyfile(DEFAULT, tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO):
         estimate.check("verifier", verifier_stage.estimate, tmp_path / "params.yaml", None)

@@ -146,7 +146,7 @@ def test_serve_refuses_a_missing_export_verifier_or_stale_recipe(project, capsys
     err = serve_error(capsys)
     assert "artifacts/verifier: neither manifest.json nor config.json found" in err
     assert "dvc repro verifier" in err
-    set_param(project, "draft.num_speculative_tokens", 2)
+    set_param(project, "draft.num_speculative_tokens", 4)
     err = serve_error(capsys)
     assert "serve/vllm.json: differs from what params.yaml renders" in err
     assert "fix: run `dvc repro configs`" in err

@@ -19,7 +19,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from helpers.malformed import BAD_VERIFIERS
-from helpers.micro import MICRO_EMBEDDED, ROOT
+from helpers.micro import DATA_PARAMS, MICRO_EMBEDDED, ROOT
 from helpers.sparse import (CONFIG, GiB, make_checkpoint, shard_tensors,
                             write_safetensors_header)
 
@@ -36,8 +36,9 @@ def vparams(path=None, hash_mode="headers", **embedded):
 
 
 def draft(**over):
-    """The project's draft params with some keys replaced."""
-    return dataclasses.replace(P.load(ROOT / "params.yaml").draft, **over)
+    """tests/data's draft params (aux ids that fit the small test verifiers) with some keys
+    replaced."""
+    return dataclasses.replace(P.load(DATA_PARAMS).draft, **over)
 
 
 def sha(p: Path) -> str:
@@ -45,9 +46,10 @@ def sha(p: Path) -> str:
 
 
 def write_params(dst: Path, *, path, hash_mode="headers", embedded=None, draft_over=None) -> Path:
-    """The project's params.yaml with the verifier (and optionally draft) keys edited."""
+    """tests/data's params.yaml (a draft that fits the small test verifiers) with the verifier
+    (and optionally draft) keys edited."""
     yaml = YAML(typ="rt")
-    doc = yaml.load((ROOT / "params.yaml").read_text())
+    doc = yaml.load(DATA_PARAMS.read_text())
     doc["verifier"]["path"] = path
     doc["verifier"]["hash_mode"] = hash_mode
     for k, v in (embedded or {}).items():

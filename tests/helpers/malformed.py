@@ -108,7 +108,7 @@ def _no_dir(ck: Path) -> None:
 NAN, INF = float("nan"), float("inf")
 Q, DOWN = "midlayer.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"
 # (id, layout, weights' dtype, damage, what the report must say: {st} model.safetensors, {ck}
-# the checkpoint, {cfg} its config.json, {params} params.yaml). params.yaml's draft for the
+# the checkpoint, {cfg} its config.json, {params} tests/data/params.yaml). Its draft for the
 # verifier in tests/data: H 256, 4 heads, 2 KV heads, head_dim 128, ff 688, draft vocab 1024.
 CORRUPT = [
     ("nan_everywhere_in_fc", "vllm", "bfloat16", _tensor("fc.weight", lambda t: t + NAN),

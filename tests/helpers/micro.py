@@ -6,6 +6,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MICRO_PARAMS = ROOT / "tests/micro/params.yaml"
+# a draft for the small test verifiers (aux ids 1..3, H 256 in tests/data/verifier_config.json),
+# so that tests built on it do not move with the default params.yaml
+DATA_PARAMS = ROOT / "tests/data/params.yaml"
 
 # the micro embedded verifier (conftest.py's micro_verifier fixture): real tokenizer, tiny Llama
 MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layers=4,

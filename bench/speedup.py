@@ -360,8 +360,8 @@ def table(res: dict) -> str:
         for key, what in (("beats_no_speculation", "no speculation"), ("beats_ngram", "ngram"),
                           ("beats_both", "both")):
             x = c[key]
-            lines.append(f"batch {b}: draft beats {what}: " + (
-                f"from {x['hidden']} x {x['layers']} ({x['verifier_params'] / 1e6:.3g}M)"
+            lines.append(f"batch {b}: smallest verifier where the draft beats {what}: " + (
+                f"{x['hidden']} x {x['layers']} ({x['verifier_params'] / 1e6:.3g}M)"
                 if x else "not in this grid"))
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
-"""Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once; and
-a session check that the suite leaves the checkout's tracked files as it found them. (The shared
-helpers that are not fixtures: the package tests/helpers/.)"""
+"""Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once; the
+session's cold micro-pipeline pair; the verifier families' runs, started with the session in the
+background; and a session check that the suite leaves the checkout's tracked files as it found
+them. (The shared helpers that are not fixtures: the package tests/helpers/.)"""
 from __future__ import annotations
 
 import os

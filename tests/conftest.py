@@ -1,7 +1,7 @@
 """Shared fixtures: a micro embedded verifier (real tokenizer, real tiny Llama) built once; the
-session's cold micro-pipeline pair; the verifier families' runs, started with the session in the
-background; and a session check that the suite leaves the checkout's tracked files as it found
-them. (The shared helpers that are not fixtures: the package tests/helpers/.)"""
+pipeline runs the slow tests read (two cold micro runs, the store's, the verifier families'),
+started with the session in the background; and a session check that the suite leaves the
+checkout's tracked files as it found them. (The shared helpers that are not fixtures: the package tests/helpers/.)"""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.micro import MICRO_EMBEDDED, ROOT
-from helpers.pipeline import Background, make_repo, repro, sh, start_repro, stop_repro
+from helpers.pipeline import Background, make_repo, sh
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -47,35 +47,81 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# The one cold run of the micro pipeline through real DVC (slow tests)
+# The pipeline runs the slow tests read, started with the session in the background
+#
+# Most of a micro stage is one core importing torch, transformers, speculators or vLLM, and most
+# of the suite's other tests run on one core: so the runs that need no test's help (the two
+# cold micro runs, the store's run up to extract, the families' runs) start with the session,
+# one at a time in that order, on the core the other tests leave idle, two at a time while a
+# test waits for one (helpers.pipeline.Background). The modules that read them run last
+# (pytest_collection_modifyitems), so that the runs have the whole session to finish.
 
-@pytest.fixture(scope="session")
-def cold_pair(tmp_path_factory):
-    """Two fresh repos of the micro pipeline, cold-run at the same time, once per session
-    (tests/test_pipeline.py, tests/test_serve.py): the first (committed after its run) is the
-    one the other tests change and serve, each leaving it as committed; the second, still
-    running in the background, is compared with it by
-    test_two_cold_clones_give_identical_lock_hashes."""
+LAST = ("test_faults.py", "test_parallel.py", "test_pipeline.py", "test_serve.py",
+        "test_store.py", "test_families.py")
+EARLY = {"micro": ("cold",), "second": ("second",), "store_repo": ("store",),
+         "family_runs": ("families",)}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules of LAST after every other, in LAST's order (each keeps its own order)."""
+    rank = {name: i + 1 for i, name in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, 0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early(request, tmp_path_factory):
+    """The background runs the selected tests read (EARLY: fixture -> runs), started now."""
+    from helpers import checkpoints, store_repo as store
+
+    wanted = {run for item in request.session.items
+              for fixture, runs in EARLY.items() if fixture in getattr(item, "fixturenames", ())
+              for run in runs}
+    jobs: dict = {}
     base = tmp_path_factory.mktemp("pipe")
-    repo, second = make_repo(base / "repo"), make_repo(base / "second")
-    bg = start_repro(second)
-    try:
-        ran = repro(repo)
-        sh(repo, "git", "add", "-A")
-        sh(repo, "git", "commit", "-q", "-m", "cold run")
-        yield repo, ran, second, bg
-    finally:
-        stop_repro(bg)
+    jobs |= {name: make_repo(base / name) for name in ("cold", "second") if name in wanted}
+    if "store" in wanted:
+        jobs["store"] = (store.prepare(tmp_path_factory.mktemp("store") / "repo"), ("extract",))
+    if "families" in wanted:
+        ckpts = request.getfixturevalue("family_checkpoints")
+        root = tmp_path_factory.mktemp("family-runs")
+        jobs |= {f"family:{f}": checkpoints.family_repo(root, f, ckpts[f])
+                 for f in checkpoints.FAMILIES}
+    bg = Background(jobs)
+    yield bg
+    bg.stop()
+
+
+def _committed(early, name: str) -> tuple[Path, set[str]]:
+    """The background run `name`, finished, its outputs committed: (repo, the stages that ran)."""
+    run = early.wait(name)
+    assert run.rc == 0, f"dvc repro in {run.repo} failed ({run.rc}):\n{run.log[-8000:]}"
+    sh(run.repo, "git", "add", "-A")
+    sh(run.repo, "git", "commit", "-q", "-m", "cold run")
+    return run.repo, run.ran
 
 
 @pytest.fixture(scope="session")
-def micro(cold_pair):
-    """One cold run of the micro pipeline, committed: (repo, the stages that ran)."""
-    return cold_pair[:2]
+def micro(early):
+    """One cold run of the micro pipeline, committed: (repo, the stages that ran). The tests
+    that change it (tests/test_pipeline.py) leave it as committed; test_parallel and test_serve
+    start from it."""
+    return _committed(early, "cold")
 
 
-# ---------------------------------------------------------------------------------------------
-# The verifier families' runs (tests/test_families.py), started at the session's start
+@pytest.fixture(scope="session")
+def second(early):
+    """A second cold repo of the micro pipeline, run on its own and committed: (repo, the
+    stages that ran); test_two_cold_clones_give_identical_lock_hashes compares it with micro."""
+    return _committed(early, "second")
+
+
+@pytest.fixture(scope="session")
+def store_repo(early) -> Path:
+    """tests/helpers/store_repo.py's repo after `dvc repro extract`, committed."""
+    repo, ran = _committed(early, "store")
+    assert ran == {"verifier", "configs", "dataset", "extract"}
+    return repo
+
 
 @pytest.fixture(scope="session")
 def family_checkpoints(micro_verifier, tmp_path_factory) -> dict[str, Path]:
@@ -86,24 +132,12 @@ def family_checkpoints(micro_verifier, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def family_runs(family_checkpoints, tmp_path_factory):
-    """Each family's micro pipeline through `dvc repro`, in the background (helpers.pipeline.
-    Background), one at a time until tests/test_families.py widens it."""
+def family_runs(early) -> dict[str, tuple[Path, int, str]]:
+    """family -> (repo, dvc repro's exit code, its log): each family's micro pipeline through
+    `dvc repro`, run in the background."""
     from helpers import checkpoints
 
-    root = tmp_path_factory.mktemp("family-runs")
-    bg = Background({f: checkpoints.family_repo(root, f, family_checkpoints[f])
-                     for f in checkpoints.FAMILIES})
-    yield bg
-    bg.stop()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _start_family_runs_early(request):
-    """Starts family_runs with the session when any selected test reads them: they run on
-    the core the single-process tests before them leave idle."""
-    if any("family_runs" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        request.getfixturevalue("family_runs")
+    return {f: tuple(early.wait(f"family:{f}"))[:3] for f in checkpoints.FAMILIES}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ changed: it trusts nothing a kill left) and its outputs equal the uninterrupted 
 byte, with nothing left beside them.
 
 Cost (~3.5 min on the 2-core machine): the uninterrupted reference runs stage by stage; before
-each of three segments a copy of it is the repo in which that segment's stages are killed, so
-the three kill chains run beside each other and the reference, with FAULT_PARAMS (one thread a
+each of four segments a copy of it is the repo in which that segment's stages are killed, so
+the four kill chains run beside each other and the reference, with FAULT_PARAMS (one thread a
 process, a smaller smoke stage) for runs that share two cores.
 """
 from __future__ import annotations
@@ -66,7 +66,10 @@ RUN = ("--no-run-cache",)
 HOLD = {"verifier": "artifacts/verifier", "configs": "configs/verifier_config.json",
         "dataset": "artifacts/dataset", "vocab": "artifacts/vocab", "extract": "artifacts/hidden",
         "train": "artifacts/train", "export": "artifacts/export", "smoke": "metrics/smoke.json"}
-SEGMENTS = (("verifier", "configs"), ("dataset", "vocab", "extract"), ("train", "export", "smoke"))
+# the smoke stage, the longest to kill three times and finish, has a chain of its own: it
+# starts as soon as the reference has run everything before it
+SEGMENTS = (("verifier", "configs"), ("dataset", "vocab", "extract"), ("train", "export"),
+            ("smoke",))
 TIMEOUT = 600  # seconds for one stage run; a micro stage takes 1-35 s
 # The micro params, cheaper where that changes nothing a kill meets (the reference runs with
 # the same params, so every comparison is like for like). Up to five of these runs share two

@@ -1,6 +1,7 @@
 """The real micro pipeline through real DVC in temporary git repos: exactly-affected rebuilds,
 run-cache restores, determinism across clones, and sharing outputs through a DVC remote. The
-cold run is conftest.py's session fixture (tests/test_serve.py serves its exports)."""
+cold runs are conftest.py's session fixtures `micro` and `second`, run in the background
+(tests/test_serve.py serves micro's exports, tests/test_parallel.py starts from it)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 
 from eagle3pipe.tools import invalidation as graph
 
-from helpers.pipeline import (STAGES, digest, finish_repro, get_param, lock_hashes, out_hashes,
+from helpers.pipeline import (STAGES, digest, get_param, lock_hashes, out_hashes,
                               repro, set_param, sh, unexplained_skips)
 
 pytestmark = pytest.mark.slow
@@ -118,16 +119,6 @@ def engine_bound_changes_no_output(repo) -> None:
         set_param(repo, "vllm.gpu_memory_utilization", old)
         repro(repo)
         sh(repo, "git", "checkout", "--", ".")
-
-
-@pytest.fixture(scope="module")
-def second(cold_pair):
-    """The second cold repo, its run finished and committed: (repo, the stages that ran)."""
-    _, _, other, bg = cold_pair
-    ran = finish_repro(other, bg)
-    sh(other, "git", "add", "-A")
-    sh(other, "git", "commit", "-q", "-m", "cold run")
-    return other, ran
 
 
 @pytest.fixture(scope="module")

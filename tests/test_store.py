@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.pipeline import (FAULT_TAG, digest, env, get_param, kill_group, make_repo, repro,
-                              set_param, sh, start, wait_for)
+from helpers.pipeline import (FAULT_TAG, digest, env, get_param, kill_group, repro, set_param,
+                              sh, start, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +29,11 @@ def entries(repo: Path, kind: str) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
+def repo(store_repo) -> Path:
     """The micro pipeline up to extract, 2 samples per engine call in both data stages (so a
-    kill lands between samples), cold, committed."""
-    r = make_repo(tmp_path_factory.mktemp("store") / "repo")
-    set_param(r, "extract.batch_size", 2)
-    set_param(r, "dataset.batch_size", 2)
-    assert repro(r, "extract") == {"verifier", "configs", "dataset", "extract"}
-    sh(r, "git", "add", "-A")
-    sh(r, "git", "commit", "-qm", "cold run")
-    return r
+    kill lands between samples), cold, committed (conftest.py's store_repo, run in the
+    background; tests/helpers/store_repo.py)."""
+    return store_repo
 
 
 def test_a_cold_run_computes_everything_and_publishes_links(repo):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from ruamel.yaml import YAML
 
@@ -65,27 +66,22 @@ def make_repo(dst: Path, params: Path = MICRO_PARAMS) -> Path:
 
 def repro(repo: Path, *args: str) -> set[str]:
     """Runs `dvc repro` and returns the stages whose commands really executed."""
-    log = repo / ".runlog"
-    log.unlink(missing_ok=True)
+    (repo / ".runlog").unlink(missing_ok=True)
     sh(repo, "dvc", "repro", *args)
-    return set(log.read_text().split()) if log.exists() else set()
+    return ran(repo)
 
 
 def start_repro(repo: Path, *args: str, base_env: dict | None = None) -> subprocess.Popen:
-    """`dvc repro` in the background, output to <repo>.repro.log; finish with finish_repro.
-    Two cold runs at once keep both cores busy: most of a micro stage is its interpreter
-    importing torch, transformers or vLLM, which runs on one core."""
+    """`dvc repro` in the background, output to <repo>.repro.log (Background runs it): most
+    of a micro stage is its interpreter importing torch, transformers or vLLM on one core."""
     (repo / ".runlog").unlink(missing_ok=True)
     with open(repo.parent / f"{repo.name}.repro.log", "w") as out:
         return subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=env(repo, base_env),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def finish_repro(repo: Path, proc: subprocess.Popen) -> set[str]:
-    """Waits for start_repro's `dvc repro`; the stages whose commands really executed."""
-    if proc.wait() != 0:
-        log = (repo.parent / f"{repo.name}.repro.log").read_text()
-        raise AssertionError(f"dvc repro in {repo} failed ({proc.returncode}):\n{log[-8000:]}")
+def ran(repo: Path) -> set[str]:
+    """The stages whose commands really executed in the repo's last run."""
     log = repo / ".runlog"
     return set(log.read_text().split()) if log.exists() else set()
 
@@ -263,20 +259,25 @@ def leftovers(repo: Path, paths: list[str]) -> list[str]:
 
 
 class Background:
-    """`dvc repro` in several repos, at most `width` at a time, scheduled by a thread of its
-    own so that the runs start before the tests that read them: the suite's single-process
-    tests leave one of the two cores idle, and a run started early fills it. `widen(n)` lets
-    more run at once (when the tests that wait for them are reached); `result()` waits for
-    every run: name -> (repo, dvc repro's exit code, its log)."""
+    """`dvc repro` in several repos, at most `width` at a time, in the order given, scheduled by
+    a thread of its own so that the runs start before the tests that read them: the suite's
+    single-process tests leave one of the two cores idle, and a run started early fills it.
+    A job is a repo (`dvc repro`) or (repo, dvc repro's arguments). `wait(name)` waits for one
+    run, letting `busy_width` run at once meanwhile (the waiting test leaves its core idle);
+    `widen(n)` lets more run at once for good; `result()` waits for every run. A finished run
+    is name -> Run."""
 
-    def __init__(self, jobs: dict[str, Path], width: int = 1):
+    def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]]], width: int = 1,
+                 busy_width: int = 2):
         import threading
 
-        self.todo, self.width, self.out = list(jobs.items()), width, {}
+        self.todo = [(n, j if isinstance(j, tuple) else (j, ())) for n, j in jobs.items()]
+        self.width, self.busy_width, self.out = width, busy_width, {}
         # the environment as it is now: not what a test running meanwhile monkeypatches
         self.env = dict(os.environ)
         self.running: dict[str, tuple[Path, subprocess.Popen]] = {}
         self.stopped, self.error = False, None
+        self.done = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="background-repro", daemon=True)
         self.thread.start()
 
@@ -286,20 +287,39 @@ class Background:
         try:
             while (self.todo or self.running) and not self.stopped:
                 while self.todo and len(self.running) < self.width:
-                    name, repo = self.todo.pop(0)
-                    self.running[name] = (repo, start_repro(repo, base_env=self.env))
+                    name, (repo, args) = self.todo.pop(0)
+                    self.running[name] = (repo, start_repro(repo, *args, base_env=self.env))
                 for name in [n for n, (_, p) in self.running.items() if p.poll() is not None]:
                     repo, proc = self.running.pop(name)
-                    self.out[name] = (repo, proc.returncode,
-                                      (repo.parent / f"{repo.name}.repro.log").read_text())
+                    with self.done:
+                        self.out[name] = Run(repo, proc.returncode, (
+                            repo.parent / f"{repo.name}.repro.log").read_text(), ran(repo))
+                        self.done.notify_all()
                 time.sleep(0.5)
-        except BaseException as e:  # re-raised by result()
+        except BaseException as e:  # re-raised by result() and wait()
             self.error = e
+        with self.done:
+            self.done.notify_all()
 
     def widen(self, width: int) -> None:
         self.width = max(self.width, width)
 
-    def result(self) -> dict[str, tuple[Path, int, str]]:
+    def wait(self, name: str) -> "Run":
+        """The run `name`, once finished; `busy_width` run at once while this waits."""
+        width, self.width = self.width, max(self.width, self.busy_width)
+        try:
+            with self.done:
+                self.done.wait_for(lambda: name in self.out or self.error is not None
+                                   or not self.thread.is_alive())
+        finally:
+            self.width = width
+        if self.error is not None:
+            raise self.error
+        if name not in self.out:
+            raise AssertionError(f"background run {name} never finished (stopped)")
+        return self.out[name]
+
+    def result(self) -> dict[str, "Run"]:
         self.thread.join()
         if self.error is not None:
             raise self.error
@@ -310,3 +330,12 @@ class Background:
         self.thread.join()
         for _, proc in self.running.values():
             stop_repro(proc)
+
+
+class Run(NamedTuple):
+    """A finished background `dvc repro`: its repo, exit code, output and the stages whose
+    commands executed."""
+    repo: Path
+    rc: int
+    log: str
+    ran: set[str]

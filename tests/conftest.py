@@ -50,16 +50,17 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
 # The pipeline runs the slow tests read, started with the session in the background
 #
 # Most of a micro stage is one core importing torch, transformers, speculators or vLLM, and most
-# of the suite's other tests run on one core: so the runs that need no test's help (the two
-# cold micro runs, the store's run up to extract, the families' runs) start with the session,
-# one at a time in that order, on the core the other tests leave idle, two at a time while a
-# test waits for one (helpers.pipeline.Background). The modules that read them run last
-# (pytest_collection_modifyitems), so that the runs have the whole session to finish.
+# of the suite's other tests run on one core: so the runs that need no test's help (the store's
+# run up to extract, the families' runs, the two cold micro runs) start with the session, one at
+# a time in that order, on the core the other tests leave idle, and two at a time while a test
+# waits for one (helpers.pipeline.Background). The modules that read them run last
+# (pytest_collection_modifyitems), those that run on one core first, so that the runs keep the
+# second core busy until the modules that use both (faults, TP 2, the change scenarios) come.
 
-LAST = ("test_faults.py", "test_parallel.py", "test_pipeline.py", "test_serve.py",
-        "test_store.py", "test_families.py")
-EARLY = {"micro": ("cold",), "second": ("second",), "store_repo": ("store",),
-         "family_runs": ("families",)}
+LAST = ("test_store.py", "test_families.py", "test_serve.py", "test_faults.py",
+        "test_parallel.py", "test_pipeline.py")
+EARLY = {"store_repo": ("store",), "family_runs": ("families",), "micro": ("cold",),
+         "second": ("second",)}
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -77,8 +78,6 @@ def early(request, tmp_path_factory):
               for fixture, runs in EARLY.items() if fixture in getattr(item, "fixturenames", ())
               for run in runs}
     jobs: dict = {}
-    base = tmp_path_factory.mktemp("pipe")
-    jobs |= {name: make_repo(base / name) for name in ("cold", "second") if name in wanted}
     if "store" in wanted:
         jobs["store"] = (store.prepare(tmp_path_factory.mktemp("store") / "repo"), ("extract",))
     if "families" in wanted:
@@ -86,6 +85,8 @@ def early(request, tmp_path_factory):
         root = tmp_path_factory.mktemp("family-runs")
         jobs |= {f"family:{f}": checkpoints.family_repo(root, f, ckpts[f])
                  for f in checkpoints.FAMILIES}
+    base = tmp_path_factory.mktemp("pipe")
+    jobs |= {name: make_repo(base / name) for name in ("cold", "second") if name in wanted}
     bg = Background(jobs)
     yield bg
     bg.stop()

@@ -25,9 +25,8 @@ NOT_MLA = [f for f in checkpoints.FAMILIES if f not in checkpoints.MLA]
 @pytest.fixture(scope="module")
 def runs(family_runs) -> dict[str, tuple[Path, int, str]]:
     """family -> (repo, dvc repro's exit code, its log): conftest.py's family_runs, started
-    in the background at the session's start one at a time, two at a time from here on."""
-    family_runs.widen(2)
-    return family_runs.result()
+    in the background with the session."""
+    return family_runs
 
 
 def metrics(repo: Path, name: str) -> dict:

@@ -72,8 +72,7 @@ def repro(repo: Path, *args: str) -> set[str]:
 
 
 def start_repro(repo: Path, *args: str, base_env: dict | None = None) -> subprocess.Popen:
-    """`dvc repro` in the background, output to <repo>.repro.log (Background runs it): most
-    of a micro stage is its interpreter importing torch, transformers or vLLM on one core."""
+    """`dvc repro` in the background (Background runs it), output to <repo>.repro.log."""
     (repo / ".runlog").unlink(missing_ok=True)
     with open(repo.parent / f"{repo.name}.repro.log", "w") as out:
         return subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=env(repo, base_env),
@@ -263,9 +262,8 @@ class Background:
     a thread of its own so that the runs start before the tests that read them: the suite's
     single-process tests leave one of the two cores idle, and a run started early fills it.
     A job is a repo (`dvc repro`) or (repo, dvc repro's arguments). `wait(name)` waits for one
-    run, letting `busy_width` run at once meanwhile (the waiting test leaves its core idle);
-    `widen(n)` lets more run at once for good; `result()` waits for every run. A finished run
-    is name -> Run."""
+    run and returns it (a Run), letting `busy_width` run at once meanwhile (the waiting test
+    leaves its core idle)."""
 
     def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]]], width: int = 1,
                  busy_width: int = 2):
@@ -296,13 +294,10 @@ class Background:
                             repo.parent / f"{repo.name}.repro.log").read_text(), ran(repo))
                         self.done.notify_all()
                 time.sleep(0.5)
-        except BaseException as e:  # re-raised by result() and wait()
+        except BaseException as e:  # re-raised by wait()
             self.error = e
         with self.done:
             self.done.notify_all()
-
-    def widen(self, width: int) -> None:
-        self.width = max(self.width, width)
 
     def wait(self, name: str) -> "Run":
         """The run `name`, once finished; `busy_width` run at once while this waits."""
@@ -318,12 +313,6 @@ class Background:
         if name not in self.out:
             raise AssertionError(f"background run {name} never finished (stopped)")
         return self.out[name]
-
-    def result(self) -> dict[str, "Run"]:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.out
 
     def stop(self) -> None:
         self.stopped = True

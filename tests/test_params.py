@@ -76,6 +76,10 @@ CASES = [
     _case("  batch1_prompts:", "  batch1_prompts: 99", "smoke.batch1_prompts", "more than"),
     _case("  nnodes: 1", "  nnodes: 2", "train.nnodes", "train.rdzv_endpoint is null"),
     _case("  nnodes: 1", "  nnodes: 0", "train.nnodes", ">="),
+    _case("  mode: offline", "  mode: streaming", "extract.mode", "not one of"),
+    _case("  endpoint: null", "  endpoint: infer0", "extract.endpoint", "is not host:port"),
+    _case("  endpoint: null", "  endpoint: infer0:8100", "extract.endpoint",
+          "extract.mode is offline"),
     _case("  rms_norm_eps: 1.0e-06", "  rms_norm_eps: .nan", "draft.rms_norm_eps", "finite"),
     _case("  rope_theta: 10000.0", "  rope_theta: .inf", "draft.rope_theta",
           "finite"),
@@ -200,9 +204,21 @@ def test_empty_file(tmp_path, verifier_json):
 def test_section_not_mapping(tmp_path, verifier_json):
     text, line = replace_line(DEFAULT, "extract:", "extract: fast")
     text = text.replace("  dtype: bfloat16\n  batch_size: 8\n  threads: 2\n", "", 1)
-    text = "\n".join(t for t in text.split("\n") if not t.startswith("  oracle_"))
+    text = "\n".join(t for t in text.split("\n")
+                     if not t.startswith(("  oracle_", "  mode: ", "  endpoint: ")))
     rc, err, out = run_render(tmp_path, text)
     refused(rc, err, out, f"params.yaml:{line}: extract: expected a mapping")
+
+
+def test_an_engine_inside_the_train_stage_needs_one_training_process(tmp_path, verifier_json):
+    text, _ = replace_line(DEFAULT, "  nproc_per_node: 1", "  nproc_per_node: 2")
+    text, line = replace_line(text, "  mode: offline", "  mode: online")
+    rc, err, out = run_render(tmp_path, text)
+    refused(rc, err, out, f"params.yaml:{line}: extract.mode:")
+    assert "extract.endpoint" in err and "eagle3pipe serve --hidden-states" in err
+    text, _ = replace_line(text, "  endpoint: null", "  endpoint: infer0:8100")
+    rc, err, _ = run_render(tmp_path, text)
+    assert rc == 0, err  # a server elsewhere serves every training process
 
 
 def test_all_problems_listed_at_once(tmp_path, verifier_json):

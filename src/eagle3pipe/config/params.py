@@ -300,6 +300,7 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 "set train.rdzv_endpoint to host:port of the node that runs "
                                 "`dvc repro` (a port every node can reach, e.g. "
                                 "node0.cluster:29500), or train.nnodes: 1"))
+    _extract_problems(p, file, lines, problems)
     if s.batch1_prompts > s.num_prompts:
         problems.append(Problem(file, lines.get("smoke.batch1_prompts"), "smoke.batch1_prompts",
                                 f"{s.batch1_prompts} is more than smoke.num_prompts "
@@ -309,6 +310,28 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
         problems.append(Problem(file, lines.get("dataset.eval_fraction"), "dataset.eval_fraction",
                                 f"must be in [0, 1), got {p.dataset.eval_fraction}",
                                 "use e.g. 0.1"))
+
+
+def _extract_problems(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
+    """extract.mode and extract.endpoint against each other and the training processes."""
+    e, t = p.extract, p.train
+    if e.endpoint is not None and not _endpoint(e.endpoint):
+        problems.append(Problem(file, lines.get("extract.endpoint"), "extract.endpoint",
+                                f"{e.endpoint!r} is not host:port",
+                                "set the host:port that `eagle3pipe serve --hidden-states` "
+                                "listens on (e.g. infer0.cluster:8100), or null"))
+    if e.endpoint is not None and e.mode == "offline":
+        problems.append(Problem(file, lines.get("extract.endpoint"), "extract.endpoint",
+                                f"{e.endpoint!r} is set, but extract.mode is offline (the "
+                                "extract stage runs its own engine; the endpoint would be unused)",
+                                "set extract.mode: online or hybrid, or extract.endpoint: null"))
+    procs = t.nproc_per_node * t.nnodes
+    if e.mode != "offline" and e.endpoint is None and procs > 1:
+        problems.append(Problem(file, lines.get("extract.mode"), "extract.mode",
+                                f"{e.mode} with the engine inside the train stage needs one "
+                                f"training process; train.nproc_per_node x train.nnodes = {procs}",
+                                "serve the verifier with `eagle3pipe serve --hidden-states` and "
+                                "set extract.endpoint to its host:port, or train with one process"))
 
 
 def _endpoint(value: str | None) -> bool:

@@ -114,6 +114,12 @@ class ExtractParams:
                                "(0: none)", min=0)
     oracle_tolerance: float = spec("largest relative error per slot vLLM vs transformers",
                                    min=0.0)
+    mode: str = spec("offline: every hidden state on disk before training; online: the train "
+                     "stage gets each batch's from the verifier engine and keeps none; hybrid: "
+                     "as online, kept in the per-sample store for later epochs and reruns",
+                     choices=("offline", "online", "hybrid"))
+    endpoint: str | None = spec("host:port of `eagle3pipe serve --hidden-states` (online and "
+                                "hybrid); null: the engine runs inside the train stage")
 
 
 # speculators 0.9's loss names (speculators/losses/utils.py, _EAGER_LOSS_FN_MAP and

@@ -57,7 +57,7 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
 # (pytest_collection_modifyitems), those that run on one core first, so that the runs keep the
 # second core busy until the modules that use both (faults, TP 2, the change scenarios) come.
 
-LAST = ("test_store.py", "test_families.py", "test_serve.py", "test_faults.py",
+LAST = ("test_store.py", "test_families.py", "test_serve.py", "test_online.py", "test_faults.py",
         "test_parallel.py", "test_pipeline.py")
 EARLY = {"store_repo": ("store",), "family_runs": ("families",), "micro": ("cold",),
          "second": ("second",)}

@@ -36,6 +36,12 @@ def _trace_reads() -> None:
 atexit.register(_trace_reads)
 
 
+# where and how big: vLLM's memory bounds and length limit, the engine's address and call size
+RUN_ONLY = frozenset({"vllm.gpu_memory_utilization", "vllm.kv_cache_memory_bytes",
+                      "vllm.max_model_len", "vllm.trust_remote_code", "vllm.cpu_omp_threads_bind",
+                      "extract.endpoint", "extract.batch_size"})
+
+
 class StageView:
     """Attribute access into Params that raises for keys the stage did not declare."""
 
@@ -77,6 +83,16 @@ class StageView:
     def params_at(self) -> ParamsAt:
         """The params file and its keys' lines, for located problems (errors.ParamsAt)."""
         return ParamsAt(self.params_file, self.key_lines)
+
+    def run_setting(self, key: str) -> Any:
+        """A setting that says where or how big, never what is computed (RUN_ONLY): read without
+        a declaration, so that changing it reruns nothing. The train stage's engine in
+        extract.mode online/hybrid reads these; what it computes is fixed by the extract
+        stage's manifest (the numeric settings its store keys hash)."""
+        if key not in RUN_ONLY:
+            raise UndeclaredParamError(f"'{key}' is not a run-only setting ({sorted(RUN_ONLY)})")
+        section, name = key.split(".")
+        return getattr(getattr(self._root, section), name)
 
     def for_validation(self, section: str) -> Any:
         """A whole section for a cross-check that can only refuse, never change an output (the

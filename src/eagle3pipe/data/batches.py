@@ -23,15 +23,17 @@ class TrainInputError(Error, ValueError):
     """A bad input file: the message names the file, the key and the fix."""
 
 
-def open_datapath(datapath: str | Path, max_len: int, dtype: torch.dtype):
-    """speculators' ArrowDataset over a hidden-state datapath; missing files raise."""
+def open_datapath(datapath: str | Path, max_len: int, dtype: torch.dtype, transfer=None):
+    """speculators' ArrowDataset over a hidden-state datapath; missing files raise. `transfer`
+    (on demand: eagle3pipe.data.online.StoreTransfer) replaces its hidden_states/ files."""
     from speculators.train.data import ArrowDataset
 
     p = Path(datapath)
-    if not (p / "hidden_states").is_dir():
+    if transfer is None and not (p / "hidden_states").is_dir():
         raise TrainInputError(f"{p}: not a hidden-state datapath (no hidden_states/); "
                               "rerun `dvc repro extract`")
-    ds = ArrowDataset(max_len, str(p), on_missing="raise", hidden_states_dtype=dtype)
+    ds = ArrowDataset(max_len, str(p), transfer=transfer, on_missing="raise",
+                      hidden_states_dtype=dtype)
     if len(ds) == 0:
         raise TrainInputError(f"{p}: has no samples; check dataset.num_samples / eval_fraction")
     return ds
@@ -107,16 +109,18 @@ class Batches:
 
 
 def open_split(datapath: str | Path, batch_tokens: int, arch: archmod.DraftArch,
-               backend: Backend) -> Batches:
-    """One split's Batches: its ArrowDataset (checked against the draft) and speculators'
-    CollateFn with the EAGLE-3 shift_batch preprocess, as speculators' loader factory
+               backend: Backend, transfer=None) -> Batches:
+    """One split's Batches: its ArrowDataset (checked against the draft; on demand, with
+    `transfer`, the producer checks every sample instead) and speculators' CollateFn with the
+    EAGLE-3 shift_batch preprocess, as speculators' loader factory
     (speculators/train/dataloader.py) and its cli's eagle3 preprocess choose them; the packing
     is ours (epoch_batches), not its MultipackDistributedBatchSamplerV2."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    ds = open_datapath(datapath, batch_tokens, backend.data_dtype)
-    check_datapath(ds, datapath, arch)
+    ds = open_datapath(datapath, batch_tokens, backend.data_dtype, transfer)
+    if transfer is None:
+        check_datapath(ds, datapath, arch)
     collate = CollateFn(batch_tokens, arch.target_hidden_size, num_target_layers=archmod.NUM_AUX,
                         dtype=backend.data_dtype, preprocess=shift_batch)
     return Batches(ds, datapath, collate, backend)

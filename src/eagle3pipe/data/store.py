@@ -94,6 +94,16 @@ class Store:
         text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
         return self.put(k, lambda p: p.write_text(text + "\n", encoding="utf-8"))
 
+    def put_hidden(self, k: str, token_ids: list[int], hidden) -> Path:
+        """A sample's hidden states, in the layout of speculators' hs_{i}.safetensors: token_ids
+        [T] int64 and hidden_states [T, slots, H] as given."""
+        import torch
+        from safetensors.torch import save_file
+
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        return self.put(k, lambda p: save_file({"token_ids": ids, "hidden_states": hidden},
+                                               str(p)))
+
     def get_json(self, k: str) -> Any:
         return json.loads(self.path(k).read_text(encoding="utf-8"))
 

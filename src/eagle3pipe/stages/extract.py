@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eagle3pipe.config.schema import Params
@@ -172,13 +172,16 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def write_split(out_dir: Path, samples: list[Sample], entries: list[Path]) -> int:
+def write_split(out_dir: Path, samples: list[Sample], entries: list[Path] | None) -> int:
     """Writes one split: the tokenized rows, and hs_{i}.safetensors for sample i, published
-    from its store entry (a hard link where the filesystem allows). Returns the links made."""
+    from its store entry (a hard link where the filesystem allows); entries None (on demand):
+    the rows only. Returns the links made."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    _save_dataset(samples, out_dir)
+    if entries is None:
+        return 0
     hs_dir = out_dir / "hidden_states"
     hs_dir.mkdir()
-    _save_dataset(samples, out_dir)
     return sum(store.publish(entry, hs_dir / f"hs_{i}.safetensors")
                for i, entry in enumerate(entries))
 
@@ -219,46 +222,61 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     # transformers' side of the oracle before the engine starts (never both models in memory):
     # each oracle sample is compared as soon as vLLM hands it over, in the first batch
     oracle = Oracle(v, splits["train"], keys["train"], aux, e)
+    # on demand (online, hybrid) the train stage captures the samples; here only the oracle's
+    on_demand = e.mode != "offline"
+    capture = {n: ss[:oracle.n] if on_demand and n == "train" else [] if on_demand else ss
+               for n, ss in splits.items()}
     with atomic_dir(out_dir) as tmp:
-        seconds, computed = _capture_missing(v, splits, keys, hs, layer_ids, tmp, settings, e,
+        seconds, computed = _capture_missing(v, capture, keys, hs, layer_ids, tmp, settings, e,
                                              progress, oracle, Path(dataset_dir))
         linked = 0
         for name, samples in splits.items():
-            linked += write_split(tmp / name, samples, [hs.path(k) for k in keys[name]])
+            linked += write_split(tmp / name, samples,
+                                  None if on_demand else [hs.path(k) for k in keys[name]])
             validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
-                           DTYPES[e.dtype], layer_ids=layer_ids)
-        total = sum(map(len, splits.values()))
+                           DTYPES[e.dtype], layer_ids=layer_ids, rows_only=on_demand)
+        total = sum(map(len, capture.values()))
         oracle = oracle.finish(lambda i: load_file(hs.path(keys["train"][i]))["hidden_states"])
         counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
                          "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
                   for name, ss in splits.items()}
-        write_json(tmp / "manifest.json", {
-            "layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
-            "slots": slot_names(aux), "hidden_size": spec.hidden_size,
-            "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
-            "splits": counts, "store_keys": keys})  # what `eagle3pipe gc` keeps
-    store.record("extract", computed, total - computed, 0, total, linked, to=record_to)
-    log.info("store %s: %d samples computed, %d reused, %d published as hard links",
-             store.root(), computed, total - computed, linked)
+        doc = {"layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
+               "slots": slot_names(aux), "hidden_size": spec.hidden_size,
+               "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
+               "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
+        if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
+            from eagle3pipe.engines.engine import numeric
+
+            doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
+                    "layer_ids": layer_ids, "engine_settings": numeric(settings)}
+        write_json(tmp / "manifest.json", doc)
+    if e.mode == "online":  # keeps nothing past its use: the oracle's samples are checked
+        for k in computed:
+            hs.path(k).unlink(missing_ok=True)
+    store.record("extract", len(computed), total - len(computed), 0, total, linked,
+                 to=record_to)
+    log.info("store %s: %d samples computed, %d reused, %d published as hard links%s",
+             store.root(), len(computed), total - len(computed), linked,
+             f" ({e.mode}: the train stage computes the rest)" if on_demand else "")
     store.enforce_bound()
     return _metrics(out_dir, spec, counts, seconds, settings, e, oracle)
 
 
 def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[int],
                      tmp: Path, settings: dict, e, progress: bool, oracle: "Oracle",
-                     dataset_dir: Path) -> tuple[float, int]:
+                     dataset_dir: Path) -> tuple[float, list[str]]:
     """Captures, through one engine, every sample whose key the store lacks, each checked
     (check_states, then the oracle where it is an oracle sample) and stored as soon as the
     engine hands it over (a crash keeps what was finished; a refused sample is not stored).
-    No engine starts when nothing is missing. Returns (the engine's seconds, the samples
+    No engine starts when nothing is missing. Returns (the engine's seconds, the keys
     computed)."""
     from eagle3pipe.engines import capture, engine
 
-    todo = [(name, i) for name, ss in splits.items() for i, k in enumerate(keys[name])
+    todo = [(name, i) for name, ss in splits.items() for i, k in enumerate(keys[name][:len(ss)])
             if not hs.has(k)]
     todo = list({keys[n][i]: (n, i) for n, i in todo}.values())  # a repeated sample: once
     if not todo:
-        return 0.0, 0
+        return 0.0, []
     prompts = [list(splits[n][i].input_ids) for n, i in todo]
     bar = tqdm(total=sum(map(len, prompts)), unit="tok", desc="extract", disable=not progress,
                mininterval=1.0)
@@ -268,18 +286,16 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
             **capture.engine_config(layer_ids, Path(storage))) as llm:
         for j, hidden in capture.hidden_states(llm, prompts, batch_size=e.batch_size):
             seconds += time.perf_counter() - t0
-            ids = torch.tensor(prompts[j], dtype=torch.long)
             n, i = todo[j]
             stored = hidden.to(DTYPES[e.dtype]).contiguous()
             check_states(stored, prompts[j], layer_ids, file=str(dataset_dir / f"{n}.jsonl"),
                          sample=f"{n} sample {i} ({splits[n][i].id})")
             oracle.see(keys[n][i], stored)
-            hs.put(keys[n][i], lambda p: save_file(
-                {"token_ids": ids, "hidden_states": stored}, str(p)))
-            bar.update(len(ids))
+            hs.put_hidden(keys[n][i], prompts[j], stored)
+            bar.update(len(prompts[j]))
             t0 = time.perf_counter()
     bar.close()
-    return seconds, len(todo)
+    return seconds, [keys[n][i] for n, i in todo]
 
 
 def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, settings: dict,
@@ -302,6 +318,7 @@ def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, set
         "hidden_bytes_per_token": round(hs_bytes / tokens, 2),
         "min_bytes_per_token": spec.num_slots * spec.hidden_size * elem,
         "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
+        **({"mode": e.mode} if e.mode != "offline" else {}),
         "oracle": oracle,
         "dtype": e.dtype,
         "batch_size": e.batch_size,

@@ -63,10 +63,10 @@ def validate_sample(data: dict, tokens: list[int], num_slots: int, hidden_size: 
 
 def validate_split(split_dir: str | os.PathLike, samples: list[Sample], num_slots: int,
                    hidden_size: int, dtype: torch.dtype,
-                   layer_ids: list[int] | None = None) -> None:
+                   layer_ids: list[int] | None = None, rows_only: bool = False) -> None:
     """Reads a written split back from disk and checks it against the source samples (with
     `layer_ids`, every sample's states with check_states too: a reused store entry is checked
-    like a computed one)."""
+    like a computed one; rows_only: the rows, and that no hidden states were written)."""
     from datasets import load_from_disk
 
     split_dir = Path(split_dir)
@@ -78,6 +78,8 @@ def validate_split(split_dir: str | os.PathLike, samples: list[Sample], num_slot
     hs_dir = split_dir / "hidden_states"
     names = sorted(p.name for p in hs_dir.iterdir()) if hs_dir.is_dir() else []
     want = sorted(f"hs_{i}.safetensors" for i in range(len(samples)))
+    if rows_only:
+        want = []  # on demand (extract.mode online, hybrid): the train stage computes them
     if names != want:
         raise ExtractError(f"{hs_dir}: {len(names)} files, expected exactly {len(want)} "
                            "hs_{i}.safetensors")
@@ -85,6 +87,8 @@ def validate_split(split_dir: str | os.PathLike, samples: list[Sample], num_slot
         if (row["input_ids"] != list(s.input_ids) or row["loss_mask"] != list(s.loss_mask)
                 or row["seq_len"] != len(s.input_ids)):
             raise ExtractError(f"{split_dir}: row {i} ({s.id}) differs from the dataset")
+        if rows_only:
+            continue
         validate_sample(load_file(hs_dir / f"hs_{i}.safetensors"), list(s.input_ids), num_slots,
                         hidden_size, dtype, where=f"{hs_dir}/hs_{i}.safetensors ({s.id})",
                         layer_ids=layer_ids, sample=f"{split_dir.name} sample {i} ({s.id})")

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from eagle3pipe.config.schema import Params
-from eagle3pipe.config.view import StageView
-from eagle3pipe.data import batches
+from eagle3pipe.config.view import RUN_ONLY, StageView
+from eagle3pipe.data import batches, online, store
 from eagle3pipe.data.batches import Batches, TrainInputError, open_split
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft.formats import eagle3_config, read_draft_config
@@ -50,6 +50,7 @@ from eagle3pipe.runtime.distributed import (
     all_reduce,
     autocast,
     backend_for,
+    lost_peers,
     setup_distributed,
     teardown,
     wrap_model,
@@ -230,6 +231,7 @@ class TrainState:
     sched: torch.optim.lr_scheduler.LambdaLR
     limit: int                   # steps fit() runs: all of them, or max_steps
     step: int = 0
+    after_step: Any = lambda idx: None  # on demand: the producer's release (data.online)
 
     def run_args(self) -> dict[str, Any]:
         return dict(ttt_steps=self.p.ttt_steps, loss_config=self.loss_config,
@@ -259,8 +261,11 @@ def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
     ver = Verifier(verifier)
     check_against_verifier(arch, ver.info)
     d2t, t2d = vocab_load(vocab, arch.draft_vocab_size, arch.vocab_size)
-    train, ev = (open_split(Path(hidden) / split, p.batch_tokens, arch, backend)
-                 for split in ("train", "eval"))
+    m = online.read_manifest(hidden)  # None offline; on demand, the states come from an engine
+    if m is not None:
+        online.check_manifest(m, batches.NUM_SLOTS, arch.target_hidden_size)
+    train, ev = (open_split(Path(hidden) / split, p.batch_tokens, arch, backend,
+                            online.transfer(m, split)) for split in ("train", "eval"))
     return build_state(p, arch, ver.model_dir, d2t, t2d, train, ev, d=d, backend=backend,
                        max_steps=max_steps)
 
@@ -356,13 +361,14 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
              s.d.device.type, s.d.world, s.backend.attn_impl, s.p.loss, s.backend.loss_impl)
     # rank 0's dvclive writes into a temporary beside metrics_dir, published whole before the
     # checkpoint: a killed run leaves no partial metrics/train/ (runtime.atomic_dir)
-    with atomic_dir(metrics_dir) if s.d.main else nullcontext(None) as live_dir:
-        metrics = Metrics(live_dir)
-        last = run_epochs(s, metrics, progress=progress)
-        metrics.end()
-    if s.d.main:
-        save_checkpoint(s.core, s.arch, out_dir)
-    teardown(s.d)
+    with lost_peers(s.d):  # a dead node's peers: one message, nothing published
+        with atomic_dir(metrics_dir) if s.d.main else nullcontext(None) as live_dir:
+            metrics = Metrics(live_dir)
+            last = run_epochs(s, metrics, progress=progress)
+            metrics.end()
+        if s.d.main:
+            save_checkpoint(s.core, s.arch, out_dir)
+        teardown(s.d)
     return last
 
 
@@ -384,6 +390,7 @@ def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool) -> dict[str, 
                 if s.step >= s.limit:
                     break
                 loss, lr = step(s, idx)
+                s.after_step(idx)
                 bar.update(1)
                 bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
                 metrics.train(s.step, loss, lr)
@@ -401,18 +408,23 @@ def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool) -> dict[str, 
 
 def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
           vocab: str | Path, out_dir: str | Path, *, metrics_dir: str | Path, progress: bool,
-          max_steps: int | None = None) -> dict[str, Any]:
+          max_steps: int | None = None, run: dict[str, Any] | None = None,
+          record_to: Path | None = None) -> dict[str, Any]:
     """setup() then fit(): trains the draft from the stage's input files into out_dir and
-    metrics_dir. Returns fit()'s last evaluated point."""
+    metrics_dir; on demand, while data.online.supply's engine computes the hidden states
+    (`run`: its run-only settings, StageView.run_setting). Returns fit()'s last point."""
     state = setup(p, draft_config, verifier, hidden, vocab, max_steps=max_steps)
-    return fit(state, out_dir, metrics_dir=metrics_dir, progress=progress)
+    with online.supply(state, verifier, run or {}, threads=p.threads, record_to=record_to):
+        return fit(state, out_dir, metrics_dir=metrics_dir, progress=progress)
 
 
 def run(params: StageView, paths: Paths) -> None:
     """The stage (eagle3pipe.stages.runner.main): paths.draft_config, .verifier, .hidden, .vocab ->
     paths.out; dvclive writes metrics/train/."""
     final = train(params.train, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
-                  paths.out, metrics_dir="metrics/train", progress=paths.progress)
+                  paths.out, metrics_dir="metrics/train", progress=paths.progress,
+                  run={k: params.run_setting(k) for k in RUN_ONLY},
+                  record_to=store.counts_path("train", paths.dvc_yaml))
     ev = final.get("eval", {})
     log.info("%s written; step %s, eval loss %.4f, acceptance length (training estimate) %.2f",
              paths.out, final.get("step"), ev.get("loss", float("nan")),

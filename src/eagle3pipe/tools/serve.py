@@ -132,17 +132,42 @@ def _stop(proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
+def capture_args(r: dict, configs_dir: str | Path, verifier_dir: str | Path) -> list[str]:
+    """The flags that make the verifier a hidden-state server (extract.endpoint): the extract
+    stage's capture (configs/capture.json, engines.capture.engine_config) with the connector
+    writing into $EAGLE3PIPE_STORE/incoming, where server.json says what it captures
+    (eagle3pipe.engines.on_demand). No draft: the verifier alone, as the extract stage runs it."""
+    from eagle3pipe.engines import capture, on_demand
+    from eagle3pipe.runtime.jsonio import write_json
+    from eagle3pipe.stages.extract import read_capture
+
+    v = handle.Verifier(verifier_dir)
+    spec = read_capture(Path(configs_dir) / "capture.json", v.info)
+    layer_ids = [*spec.aux_layer_ids, spec.verifier_num_layers]
+    where = on_demand.storage()
+    where.mkdir(parents=True, exist_ok=True)
+    write_json(where / on_demand.SERVER_JSON, on_demand.describe(
+        v.fingerprint, engine.numeric(r["settings"]), layer_ids))
+    cfg = capture.engine_config(layer_ids, where)
+    return ["--speculative-config", json.dumps(cfg["speculative_config"]),
+            "--kv-transfer-config", json.dumps(cfg["kv_transfer_config"])]
+
+
 def serve(*, fmt: str = "vllm", host: str = "127.0.0.1", port: int = 8000,
           params_file: str = "params.yaml", configs_dir: str | Path = "configs",
           verifier_dir: str | Path = handle.EMBEDDED_VERIFIER_DIR, draft: bool = True,
-          timeout: float = 600.0, echo: bool = True, out=sys.stdout) -> int:
+          hidden_states: bool = False, timeout: float = 600.0, echo: bool = True,
+          out=sys.stdout) -> int:
     r = recipe(params_file, configs_dir, fmt)
+    draft = draft and not hidden_states
     if draft:
         check_export(r["draft"])
     model = check_verifier(verifier_dir, r["engine_args"]["model"])
     check_port(host, port)
     engine.environment(r["settings"])  # before the server (and vLLM in it) starts
     cmd = command(r, host, port, draft=draft)
+    if hidden_states:
+        cmd += capture_args(r, configs_dir, verifier_dir)
     print(f"eagle3pipe serve: {shlex.join(['python', *cmd[1:]])}", file=out, flush=True)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -168,6 +193,7 @@ def serve(*, fmt: str = "vllm", host: str = "127.0.0.1", port: int = 8000,
             if not ready and _healthy(health):
                 ready = True
                 what = f"draft {r['draft']}, k={r['num_speculative_tokens']}" if draft \
+                    else "hidden states into $EAGLE3PIPE_STORE/incoming" if hidden_states \
                     else "no draft"
                 print(f"eagle3pipe serve: ready at {base} (model {model}, {what}; server pid "
                       f"{proc.pid}); Ctrl-C stops it", file=out, flush=True)

@@ -1,0 +1,299 @@
+"""Hidden states on demand (`extract.mode: online | hybrid`, speculators' words): the train stage
+obtains each batch's verifier hidden states from a vLLM engine running the extract stage's
+capture while the draft trains, instead of reading files the extract stage wrote.
+
+The extract stage then publishes only the token rows and a manifest of each sample's store key
+(eagle3pipe.data.store: the verifier's fingerprint, the engine's numeric settings, the layer ids,
+the dtype and the tokens). The transport is the per-sample store: a producer thread computes the
+samples of the next PREFETCH_PACKS packed batches ahead of the trainer and writes each as a store
+entry (atomically, as the extract stage does); the trainer reads an entry through speculators'
+own seam, a `hs_connectors.HiddenStatesTransfer` handed to its ArrowDataset (StoreTransfer), and
+waits only for what is not there yet (the log and metrics/train_online.json say how long).
+Same key, same bytes: the trained draft is byte-identical in every mode (tests/test_online.py),
+as the engine computes a sample the same way whatever it is batched with (eagle3pipe.data.store).
+
+online: an entry this run computed is deleted after its last use in the run (the eval split's
+are used at every evaluation and deleted at the end); entries already in the store are read and
+kept. hybrid: what is computed stays in the store, up to its bound ($EAGLE3PIPE_STORE_MAX_BYTES,
+store.bound()), so later epochs and reruns compute nothing; past the bound it behaves as online.
+
+The engine is either inside the train stage (extract.endpoint null: ColocatedEngine, one
+training process) or vLLM's OpenAI server started by `eagle3pipe serve --hidden-states` on other
+machines (extract.endpoint host:port: RemoteEngine), whose connector writes into
+$EAGLE3PIPE_STORE/incoming on a filesystem both see.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from hs_connectors import HiddenStatesTransfer
+from safetensors.torch import load_file
+
+from eagle3pipe.data import store
+from eagle3pipe.errors import Error
+from eagle3pipe.runtime.units import human
+
+log = logging.getLogger("eagle3pipe.data.online")
+
+PREFETCH_PACKS = 4  # packed batches computed ahead of the trainer (eagle3pipe plan uses it)
+MODES = ("online", "hybrid")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class OnlineError(Error, RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What the extract stage published for on-demand extraction (artifacts/hidden/manifest.json)."""
+    path: Path
+    mode: str
+    keys: dict[str, list[str]]  # split -> each row's store key
+    layer_ids: list[int]
+    dtype: str
+    hidden_size: int
+    engine: dict[str, Any]  # the numeric engine settings the keys hash (engine.numeric)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.layer_ids)
+
+
+def read_manifest(hidden_dir: str | Path) -> Manifest | None:
+    """The on-demand manifest of an extract output, or None for an offline one."""
+    path = Path(hidden_dir) / "manifest.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # an offline output is checked file by file (data.batches)
+    if doc.get("mode", "offline") not in MODES:
+        return None
+    try:
+        return Manifest(path, doc["mode"], doc["sample_keys"], doc["layer_ids"], doc["dtype"],
+                        doc["hidden_size"], doc["engine_settings"])
+    except KeyError as e:
+        raise OnlineError(f"{path}: no key {e}", fix="rerun `dvc repro extract`") from None
+
+
+class Producer:
+    """Computes, on a thread of its own, the store entries of `plan` (packs of keys in the order
+    the trainer uses them: its first `lead` packs are the eval split's, needed at step 0 and
+    kept to the end; then every epoch's packs, at most `window` ahead of release()); get(key)
+    waits for one. `compute(prompts)` yields (index, hidden [T, slots, H]) per prompt (an
+    engine); `check(hidden, tokens, key)` refuses what no verifier computes."""
+
+    def __init__(self, compute: Callable[[list[list[int]]], Iterator[tuple[int, torch.Tensor]]],
+                 hs: store.Store, tokens: dict[str, list[int]], plan: list[list[str]], *,
+                 m: Manifest, lead: int, batch_size: int, window: int, check):
+        self.compute, self.hs, self.tokens, self.plan, self.m = compute, hs, tokens, plan, m
+        self.lead, self.batch_size, self.window, self.check = lead, batch_size, window, check
+        self.keep_always: set[str] = set()  # hybrid: computed and kept under the bound
+        self.uses = {k: 0 for k in tokens}
+        for pack in plan:
+            for k in pack:
+                self.uses[k] += 1
+        self.cond = threading.Condition()
+        self.ready = {k for k in tokens if hs.has(k)}
+        self.generated: set[str] = set()
+        self.produced = self.released = 0
+        self.waited_s, self.error, self.stopping = 0.0, None, False
+        self.computed = self.deleted = 0
+        self.budget = self._hybrid_budget() if m.mode == "hybrid" else 0
+        self.thread = threading.Thread(target=self._run, name="hidden-states", daemon=True)
+
+    def _hybrid_budget(self) -> int:
+        limit, source = store.bound()
+        used = sum(p.stat().st_size for kind in store.KINDS for p in store.Store(kind).entries())
+        log.info("hybrid: keeping computed hidden states in %s up to its bound %s (%s); %s used",
+                 store.root(), human(limit), source, human(used))
+        return limit - used
+
+    def start(self) -> "Producer":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for n, pack in enumerate(self.plan):
+                with self.cond:
+                    self.cond.wait_for(lambda: self.stopping or n < self.lead
+                                       or n - self.lead - self.released < self.window)
+                    if self.stopping:
+                        return
+                missing = list(dict.fromkeys(k for k in pack if k not in self.ready))
+                for start in range(0, len(missing), self.batch_size):
+                    self._compute(missing[start:start + self.batch_size])
+                with self.cond:
+                    self.produced = n + 1
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by get()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _compute(self, keys: list[str]) -> None:
+        prompts = [self.tokens[k] for k in keys]
+        for j, hidden in self.compute(prompts):
+            k = keys[j]
+            stored = hidden.to(DTYPES[self.m.dtype]).contiguous()
+            self.check(stored, prompts[j], k)
+            path = self.hs.put_hidden(k, prompts[j], stored)
+            with self.cond:
+                self.computed += 1
+                self.generated.add(k)
+                if self.m.mode == "hybrid" and self.budget >= path.stat().st_size:
+                    self.budget -= path.stat().st_size
+                    self.keep_always.add(k)
+                self.ready.add(k)
+                self.cond.notify_all()
+
+    def get(self, k: str) -> dict[str, torch.Tensor]:
+        """The entry of key k, waiting for the producer if it is not computed yet."""
+        t0 = time.perf_counter()
+        with self.cond:
+            self.cond.wait_for(lambda: k in self.ready or self.error is not None)
+            self.waited_s += time.perf_counter() - t0
+            if k not in self.ready:
+                raise self._failure()
+        return load_file(self.hs.path(k))
+
+    def _failure(self) -> BaseException:
+        e = self.error
+        if isinstance(e, Error):
+            return e
+        return OnlineError(f"the hidden-state producer failed: {type(e).__name__}: {e}",
+                           fix="read the error above; rerun `dvc repro train` (nothing was "
+                           "published)")
+
+    def release(self, pack: list[str]) -> None:
+        """The trainer is done with one pack of the plan: online deletes what this run computed
+        and no later pack of the plan uses."""
+        with self.cond:
+            self.released += 1
+            for k in pack:
+                self.uses[k] -= 1
+                if self.uses[k] <= 0:
+                    self._drop(k)
+            self.cond.notify_all()
+
+    def _drop(self, k: str) -> None:
+        if k in self.generated and k not in self.keep_always:
+            self.hs.path(k).unlink(missing_ok=True)
+            self.generated.discard(k)
+            self.ready.discard(k)
+            self.deleted += 1
+
+    def close(self) -> dict[str, Any]:
+        """Stops the thread, drops what online keeps no longer; returns what the run did."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join(timeout=600)
+        with self.cond:
+            for k in list(self.generated):
+                self._drop(k)
+        kept = sum(1 for k in self.keep_always if k in self.tokens and self.hs.has(k))
+        return {"mode": self.m.mode, "computed": self.computed, "deleted": self.deleted,
+                "kept_in_store": kept, "engine_wait_seconds": round(self.waited_s, 3)}
+
+
+class StoreTransfer(HiddenStatesTransfer):
+    """speculators' transfer seam (ArrowDataset's `transfer`): row i's hidden states are the
+    store entry of its manifest key, obtained from the producer."""
+
+    def __init__(self, manifest: Manifest, split: str):
+        self.manifest, self.keys = manifest, manifest.keys[split]
+        self.producer: Producer | None = None  # set once the trainer's plan is known
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
+        if self.producer is None:
+            raise OnlineError("hidden states were read before the producer started")
+        return self.producer.get(self.keys[file_idx])
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        raise OnlineError("StoreTransfer never asks vLLM through speculators' client")
+
+
+# ---------------------------------------------------------------------------------------------
+# The train stage's side: which transfer each split reads through, and the engine behind it
+
+
+def transfer(m: Manifest | None, split: str) -> StoreTransfer | None:
+    """The split's StoreTransfer on demand; None offline (speculators' FileTransfer)."""
+    return None if m is None else StoreTransfer(m, split)
+
+
+def check_manifest(m: Manifest, num_slots: int, hidden_size: int) -> None:
+    """The manifest's capture must be the draft's: its slots and the verifier's width."""
+    if (m.num_slots, m.hidden_size) != (num_slots, hidden_size):
+        raise OnlineError(f"{m.path}: captures {m.num_slots} slots of width {m.hidden_size}, "
+                          f"the draft needs {num_slots} of width {hidden_size}",
+                          fix="rerun `dvc repro extract` (the draft config changed since)")
+
+
+def plan_of(s) -> tuple[list[list[str]], int]:
+    """The keys a TrainState reads, pack by pack, in order: the eval packs (evaluated at step 0
+    and then every eval_every steps), then the steps fit() runs. Returns (plan, eval packs)."""
+    ev, tr = s.eval.ds.transfer.keys, s.train.ds.transfer.keys
+    plan = [[ev[i] for i in pack] for pack in s.eval_packs]
+    steps = [idx for packs in s.per_epoch for idx in packs][:s.limit]
+    return plan + [[tr[i] for i in idx] for idx in steps], len(plan)
+
+
+@contextlib.contextmanager
+def supply(s, verifier_dir: str | Path, run: dict[str, Any], *, threads: int,
+           record_to: Path | None) -> Iterator[None]:
+    """While fit() runs: the producer of a TrainState whose splits read through StoreTransfer
+    (nothing offline), fed by the engine extract.endpoint names or by one started here with
+    the manifest's numeric settings and the run-only ones (`run`: vllm's memory bounds and
+    limits, extract.endpoint, extract.batch_size). On exit: what it computed, kept and
+    deleted, and how long the trainer waited, logged and written to `record_to` (rank 0)."""
+    t = s.train.ds.transfer
+    if not isinstance(t, StoreTransfer):
+        yield
+        return
+    m = t.manifest
+    from eagle3pipe.engines import on_demand
+    from eagle3pipe.stages.extract_checks import check_states
+    from eagle3pipe.verifier.handle import Verifier
+
+    v = Verifier(verifier_dir)
+    tokens = {k: list(ids) for split in (s.train, s.eval)
+              for k, ids in zip(split.ds.transfer.keys, split.ds.data.with_format(None)["input_ids"])}
+    plan, lead = plan_of(s)
+
+    def check(hidden: torch.Tensor, ids: list[int], k: str) -> None:
+        check_states(hidden, ids, m.layer_ids, file=str(m.path), sample=f"store key {k}")
+
+    hs = store.Store("hidden")
+    needed = not all(hs.has(k) for k in tokens)  # a hybrid rerun: no engine starts
+    with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
+        p = Producer(compute, hs, tokens, plan, m=m, lead=lead,
+                     batch_size=run["extract.batch_size"], window=PREFETCH_PACKS,
+                     check=check).start()
+        for split in (s.train, s.eval):
+            split.ds.transfer.producer = p
+        keys = s.train.ds.transfer.keys
+        s.after_step = lambda idx: p.release([keys[i] for i in idx])
+        try:
+            yield
+        finally:
+            stats = p.close()
+    engine = (run["extract.endpoint"] or "engine in this stage") if needed else \
+        "no engine started: every sample was in the store"
+    log.info("%s: computed %d samples' hidden states (%s), kept %d in the store, deleted %d; "
+             "the trainer waited %.3f s for the engine", m.mode, stats["computed"], engine,
+             stats["kept_in_store"], stats["deleted"], stats["engine_wait_seconds"])
+    if record_to is not None and s.d.main:
+        from eagle3pipe.runtime.jsonio import write_json
+
+        write_json(record_to, stats)

@@ -1,0 +1,139 @@
+"""The engine behind on-demand hidden states (extract.mode online/hybrid, eagle3pipe.data.online):
+vLLM with the extract stage's capture (eagle3pipe.engines.capture), either inside the train
+stage or as vLLM's OpenAI server elsewhere (extract.endpoint), started by `eagle3pipe serve
+--hidden-states` from the same params (eagle3pipe.tools.serve).
+
+The server's connector writes each request's states into $EAGLE3PIPE_STORE/incoming
+(storage()), a directory on the filesystem the store is on, which must be shared by the server
+and every training node; the server writes server.json there before it starts (describe():
+the verifier's fingerprint, the numeric engine settings and the layer ids it captures), and the
+trainer refuses a server whose capture differs from the manifest's, or whose server.json it
+cannot see (the store is not shared). A request is one prompt (max_tokens 1, greedy), sent
+concurrently with the rest of its engine call so that the server batches them, as speculators'
+own client does (speculators/data_generation/vllm_client.py); the response's
+kv_transfer_params name the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3pipe.data import store
+from eagle3pipe.errors import Error
+
+INCOMING = "incoming"
+SERVER_JSON = "server.json"
+REQUEST_TIMEOUT_S = 600.0
+RUN_KEYS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len",
+            "trust_remote_code", "cpu_omp_threads_bind")  # vllm's run-only settings
+
+
+class EndpointError(Error, RuntimeError):
+    pass
+
+
+def storage() -> Path:
+    return store.root() / INCOMING
+
+
+def describe(fingerprint: str, numeric: dict, layer_ids: list[int]) -> dict:
+    """What a hidden-state server captures (server.json), compared with the manifest's."""
+    return {"verifier": fingerprint, "engine_settings": numeric, "layer_ids": list(layer_ids)}
+
+
+@contextlib.contextmanager
+def source(m, v, run: dict[str, Any], *, threads: int, needed: bool = True) -> Iterator[Any]:
+    """compute(prompts) -> (index, hidden [T, slots, H]) per prompt, from the server at
+    run["extract.endpoint"], or from an engine started here with the manifest's numeric
+    settings and the run-only ones; none when nothing is `needed` (all in the store)."""
+    if not needed:
+        yield None
+        return
+    if run["extract.endpoint"]:
+        yield Server(run["extract.endpoint"], describe(v.fingerprint, m.engine, m.layer_ids))
+        return
+    from eagle3pipe.engines import capture, engine
+
+    settings = {**m.engine, **{k: run[f"vllm.{k}"] for k in RUN_KEYS}}
+    parent = store.root()
+    parent.mkdir(parents=True, exist_ok=True)
+    with capture.storage_dir(parent) as where, engine.engine(
+            settings, v.model_dir, tokenizer=v.dir, threads=threads,
+            **capture.engine_config(m.layer_ids, Path(where))) as llm:
+        torch._C.set_num_threads(threads)  # vLLM's CPU worker set its own count (and no-ops
+        # torch.set_num_threads): the trainer runs with train.threads, as offline
+        yield lambda prompts: capture.hidden_states(llm, prompts, batch_size=len(prompts))
+
+
+class Server:
+    """The client of `eagle3pipe serve --hidden-states` at host:port."""
+
+    def __init__(self, endpoint: str, want: dict):
+        self.endpoint, self.base = endpoint, f"http://{endpoint}/v1"
+        serve = ("start it there with `eagle3pipe serve --hidden-states --host 0.0.0.0 --port "
+                 f"{endpoint.rpartition(':')[2]}` (this repository, the same params.yaml and "
+                 "$EAGLE3PIPE_STORE), or fix extract.endpoint")
+        try:
+            self.model = self._call("/models")["data"][0]["id"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
+            raise EndpointError(f"extract.endpoint {endpoint}: no vLLM server answers "
+                                f"{self.base}/models ({e})", fix=serve) from None
+        f = storage() / SERVER_JSON
+        if not f.is_file():
+            raise EndpointError(
+                f"{f}: missing, so the server at {endpoint} writes its hidden states where "
+                "this node cannot read them", fix="put $EAGLE3PIPE_STORE on a filesystem "
+                "shared by the server and every training node, the same path on each")
+        got = json.loads(f.read_text())
+        if got != want:
+            raise EndpointError(f"the server at {endpoint} captures {got}; this run's "
+                                f"manifest needs {want}", fix="restart the server from this "
+                                "params.yaml (`eagle3pipe serve --hidden-states`)")
+
+    def _call(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            return json.loads(resp.read())
+
+    def _request(self, ids: list[int]) -> Path:
+        r = self._call("/completions", {"model": self.model, "prompt": ids, "max_tokens": 1,
+                                        "temperature": 0.0})
+        return Path((r.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
+
+    def __call__(self, prompts: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
+        from eagle3pipe.engines.capture import FLUSH_TIMEOUT_S
+
+        try:
+            with ThreadPoolExecutor(max(1, len(prompts))) as pool:
+                paths = list(pool.map(self._request, prompts))
+        except (urllib.error.URLError, OSError) as e:
+            raise EndpointError(f"extract.endpoint {self.endpoint}: a request failed ({e})",
+                                fix="check the server's log; restart it and rerun "
+                                "`dvc repro train`") from None
+        for j, (ids, path) in enumerate(zip(prompts, paths)):
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
+            while not path.is_file():
+                if time.monotonic() > deadline:
+                    raise EndpointError(f"{path}: the server at {self.endpoint} named this "
+                                        "file, which did not appear here", fix="put "
+                                        "$EAGLE3PIPE_STORE on a filesystem shared by the server "
+                                        "and every training node, the same path on each")
+                time.sleep(0.02)
+            data = load_file(str(path))
+            path.unlink()
+            if data["token_ids"].tolist() != list(ids):
+                raise EndpointError(f"{path}: token ids differ from the prompt's; the server "
+                                    "reordered or truncated it", fix="check the server's "
+                                    "max_model_len (vllm.max_model_len)")
+            yield j, data["hidden_states"]

@@ -276,6 +276,8 @@ def test_torchrun_ddp_path(inputs, tmp_path):
     torchrun agents on localhost as two nodes (train.nnodes: 2, one process each) give the
     same weights as the two processes on one node."""
     import os
+    import shutil
+    import signal
 
     params = (ROOT / "params.yaml").read_text()
     params = re.sub(r"\n  epochs: \d+", "\n  epochs: 1", params).replace(
@@ -343,3 +345,31 @@ def test_torchrun_ddp_path(inputs, tmp_path):
     assert "device cpu x 2" in r.stderr
     assert (nodes[0] / "artifacts/train/model.safetensors").read_bytes() == first_weights
     assert not (nodes[1] / "artifacts").exists()  # rank 0, on node 0, alone publishes
+
+    # a node that dies mid-training: node 0 fails with one message naming that, publishes
+    # nothing; the run above, from the same directories, shows that a rerun is safe
+    for out in ("artifacts", "metrics"):
+        shutil.rmtree(nodes[0] / out, ignore_errors=True)
+    long = re.sub(r"\n  epochs: \d+", "\n  epochs: 40", two)
+    for d in nodes:
+        (d / "params.yaml").write_text(long)
+    node1 = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *line[1:]],
+                             cwd=nodes[1], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    node0 = subprocess.Popen([sys.executable, *shlex.split(stage_args)], cwd=nodes[0],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    seen = []
+    for text in node0.stderr:
+        seen.append(text)
+        if "step 0: eval loss" in text:  # both nodes are training
+            os.killpg(node1.pid, signal.SIGKILL)
+            break
+    rest = node0.communicate(timeout=300)[1]
+    node1.wait(timeout=60)
+    err = "".join(seen) + rest
+    assert node0.returncode != 0, err[-3000:]
+    assert "another training process died or became unreachable" in err, err[-4000:]
+    assert "eagle3pipe launch" in err and "fix: " in err, err[-3000:]
+    assert not (nodes[0] / "artifacts").exists() and not (nodes[0] / "metrics" /
+                                                          "train").exists()

@@ -15,8 +15,9 @@ CPU (train.threads torch threads per process).
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -85,6 +86,29 @@ def all_reduce(t: torch.Tensor, d: Dist) -> torch.Tensor:
 
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+@contextmanager
+def lost_peers(d: Dist) -> Iterator[None]:
+    """Inside, a collective that fails because another training process died (its node lost,
+    killed or out of memory: gloo and NCCL then raise on the survivors, in DDP's backward or an
+    all-reduce) becomes one Error that says so, instead of a backend traceback. Outputs are
+    atomic (runtime.atomic), so nothing was published and a rerun starts clean."""
+    if d.world <= 1:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, Error):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(
+            f"rank {d.rank} of {d.world}: a collective failed, so another training process "
+            f"died or became unreachable (a node lost, killed or out of memory): {first}",
+            fix="nothing was published; find the first error on the other nodes, restart "
+            "each node's command (`eagle3pipe launch` prints it) and rerun `dvc repro train`"
+        ) from None
 
 
 def teardown(d: Dist) -> None:

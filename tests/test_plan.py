@@ -203,3 +203,95 @@ def test_the_runners_estimate_skips_a_verifier_config_the_new_params_outgrew(tmp
         estimate.check("verifier", verifier_stage.estimate, tmp_path / "params.yaml", None)
     assert "estimate: skipped (configs/verifier_config.json does not fit the draft params yet: "\
         "draft.aux_layer_ids: layer id 8 is outside" in caplog.text, caplog.text
+
+
+def _modes(capsys, *extra: str) -> tuple[int, dict]:
+    rc = cli.main(["plan", "--params", str(KIMI), "--gpu", "--tokens", "1e9", "--json", *extra])
+    doc = json.loads(capsys.readouterr().out)
+    return rc, {(m["mode"], m["endpoint"]): m for m in doc["modes"]} | {"doc": doc}
+
+
+def test_modes_side_by_side_for_a_billion_kimi_tokens(capsys):
+    """offline writes every token's states (57,344 B) once; online keeps the token rows, the
+    eval split's states and a prefetch window, and recomputes the train split every epoch;
+    hybrid computes once and keeps offline's bytes in the store."""
+    rc, m = _modes(capsys, "--disk", "20T")
+    params = P.load(KIMI)
+    t, epochs = 10 ** 9, params.train.epochs
+    assert m["doc"]["stages"][2]["tokens"] == t and "1,000,000,000 (--tokens)" in \
+        m["doc"]["assumptions"][1]
+    offline, online, hybrid = m["offline", False], m["online", False], m["hybrid", False]
+    assert t * 57_344 < offline["disk_bytes"] < t * 57_344 * 1.001  # ~57 TB = 52.2 TiB
+    assert hybrid["disk_bytes"] == offline["disk_bytes"]
+    evals = t - int(t * (1 - params.dataset.eval_fraction))
+    window = plan.PREFETCH_PACKS * 8 * params.train.batch_tokens * 57_344
+    assert online["disk_bytes"] == m["online", True]["disk_bytes"] \
+        == t * 16 + evals * 57_344 + window
+    assert online["disk_bytes"] < offline["disk_bytes"] / 9
+    assert epochs > 1 and offline["forwards"] == hybrid["forwards"] == t
+    assert online["forwards"] == (t - evals) * epochs + evals > offline["forwards"]
+    engine = next(s for s in m["doc"]["stages"] if s["name"] == "extract")["device_bytes"]
+    trainer = next(s for s in m["doc"]["stages"] if s["name"] == "train")["device_bytes"]
+    assert offline["device_bytes"] == max(engine, trainer)
+    assert online["device_bytes"] == hybrid["device_bytes"] == engine + trainer
+    assert m["online", True]["device_bytes"] == m["hybrid", True]["device_bytes"] == trainer
+    assert [k for k, v in m.items() if k != "doc" and v["selected"]] == [("offline", False)]
+    # 20 TiB: online fits, offline and hybrid do not; only the selected mode's is a problem
+    assert {k: v["fits"] for k, v in m.items() if k != "doc"} == {
+        ("offline", False): False, ("online", False): True, ("online", True): True,
+        ("hybrid", False): False, ("hybrid", True): False}
+    assert rc == 1 and len(m["doc"]["problems"]) == 1
+    assert "dataset.num_samples: needs 52.2 TiB (extract.mode offline) but --disk is 20.0 TiB" \
+        in m["doc"]["problems"][0]
+    rc, m = _modes(capsys, "--disk", "60T")
+    assert rc == 0 and all(v["fits"] for k, v in m.items() if k != "doc")
+
+
+def test_the_selected_mode_alone_is_judged(capsys):
+    """A disk only offline would need refuses offline, not online; the colocated engine leaves
+    the trainer 1 - gpu_memory_utilization of each GPU."""
+    online = replace(P.load(KIMI), "extract", mode="online", endpoint="infer0.cluster:8100")
+    p = plan.build(online, KIMI_VERIFIER, gpu=True, device_gib=141, tokens=10 ** 9,
+                   disk=20 << 40)
+    assert [(m.mode, m.endpoint) for m in p.modes if m.selected] == [("online", True)]
+    assert p.problems == []
+    text = plan.render(p)
+    assert "* online, endpoint" in text and "  offline " in text
+    assert "free disk 20.0 TiB (--disk)" in text
+    colocated = replace(online, "extract", endpoint=None)
+    found = plan.build(colocated, KIMI_VERIFIER, gpu=True, device_gib=141, tokens=10 ** 9,
+                       disk=20 << 40).problems
+    assert len(found) == 1 and "vllm.gpu_memory_utilization: 0.9 leaves 14.1 GiB per GPU " \
+        "beside the engine, but the trainer needs" in found[0]
+    hybrid = replace(online, "extract", mode="hybrid")
+    found = plan.build(hybrid, KIMI_VERIFIER, gpu=True, device_gib=141, tokens=10 ** 9,
+                       disk=20 << 40).problems
+    assert len(found) == 1 and "needs 52.2 TiB (extract.mode hybrid) but --disk is" in found[0]
+
+
+def test_free_disk_is_measured_without_disk(monkeypatch, capsys):
+    rc, m = _modes(capsys)  # roomy_disk: 10^16 B free everywhere
+    assert rc == 0 and all(v["fits"] and v["free_bytes"] == 10 ** 16
+                           for k, v in m.items() if k != "doc")
+    monkeypatch.setenv(estimate.FREE_BYTES_ENV, str(10 ** 13))  # 9.1 TiB: online alone fits
+    rc, m = _modes(capsys)
+    assert rc == 1 and [k for k, v in m.items() if k != "doc" and v["fits"]] == [
+        ("online", False), ("online", True)]
+    assert m["doc"]["disk_from"].endswith(f"(${estimate.FREE_BYTES_ENV})")
+
+
+@pytest.mark.parametrize("tokens", ["1.5", "0", "-3", "1e-3", "many", "inf", "nan"])
+def test_a_bad_token_count_is_an_input_error(tokens, capsys):
+    assert cli.main(["plan", "--params", str(KIMI), "--gpu", "--tokens", tokens]) == 2
+    err = capsys.readouterr().err
+    assert f"eagle3pipe plan: error: argument --tokens: {tokens!r} is not a positive whole " \
+        "number of tokens (e.g. 1e9 or 1000000000)" in err and "Traceback" not in err
+    assert plan.parse_tokens("1e9") == plan.parse_tokens("1000000000") == 10 ** 9
+
+
+def test_a_bad_disk_size_is_argparses_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--params", str(KIMI), "--disk", "lots"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --disk: 'lots' is not a size" in err
+    assert "Traceback" not in err

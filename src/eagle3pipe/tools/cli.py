@@ -91,9 +91,14 @@ def cmd_check(args) -> int:
 def cmd_plan(args) -> int:
     from eagle3pipe.tools import plan
 
+    try:  # here, not as argparse's type: importing the planner imports every stage
+        tokens = None if args.tokens is None else plan.parse_tokens(args.tokens)
+    except ValueError as e:
+        print(f"eagle3pipe plan: error: argument --tokens: {e}", file=sys.stderr)
+        return EXIT_INPUT
     p, vcfg = _load(args)
     built = plan.build(p, vcfg, gpu=args.gpu, device_gib=args.device_gib,
-                       artifacts=args.artifacts)
+                       artifacts=args.artifacts, tokens=tokens, disk=args.disk)
     print(json.dumps(built.to_dict(), indent=2) if args.json else plan.render(built))
     return EXIT_FOUND if built.problems else EXIT_OK
 
@@ -139,7 +144,8 @@ def cmd_serve(args) -> int:
 
     return serve.serve(fmt=args.format, host=args.host, port=args.port, params_file=args.params,
                        configs_dir=args.configs, verifier_dir=args.verifier,
-                       draft=not args.no_draft, timeout=args.timeout, echo=not args.quiet)
+                       draft=not args.no_draft, hidden_states=args.hidden_states,
+                       timeout=args.timeout, echo=not args.quiet)
 
 
 def cmd_launch(args) -> int:
@@ -187,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
                     help="plan for the GPU path (default: whether torch sees a GPU)")
     pl.add_argument("--artifacts", default="artifacts", help="where the stages write")
+    pl.add_argument("--tokens", default=None, help="plan for this many tokens (e.g. 1e9) "
+                    "instead of dataset.num_samples x (max_prompt_tokens + max_new_tokens)")
+    pl.add_argument("--disk", type=_size, default=None, help="the free disk to judge each "
+                    "extract.mode against (e.g. 20T); default: the free space where it writes")
     g = sub.add_parser("gc", help="remove per-sample store entries no committed dvc.lock, "
                        "experiment or workspace output refers to, oldest first")
     g.add_argument("--max-bytes", type=_size, default=None,
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--verifier", default="artifacts/verifier", help="the verifier stage's output")
     sv.add_argument("--no-draft", action="store_true", help="the verifier alone, the same engine "
                     "arguments (the baseline to compare with)")
+    sv.add_argument("--hidden-states", action="store_true", help="the verifier capturing hidden "
+                    "states into $EAGLE3PIPE_STORE for the train stage (extract.endpoint)")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
     sv.add_argument("--quiet", action="store_true", help="do not echo the server's output")
     la = sub.add_parser("launch", help="the train stage's torchrun command for the other "

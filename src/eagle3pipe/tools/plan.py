@@ -6,19 +6,33 @@ the stage runner logs the same estimate and refuses an output that cannot fit), 
 with what this machine adds: vLLM's known limits, memory that exceeds a device or the host,
 tensor-parallel ranks that do not split the verifier's heads. The planner depends on the
 stages, never the reverse, so editing this report reruns no stage.
+
+The modes table compares the three ways the train stage gets its hidden states (extract.mode,
+docs/stages.md), computed from the extract and train estimates: offline writes every token's
+states in the extract stage and trains afterwards (the engine and the trainer never hold a
+device at once); online captures each batch's states as the trainer needs them, from an engine
+inside the train stage (extract.endpoint null: both on the same devices) or a server elsewhere
+(the train nodes hold only the trainer), recomputing them every epoch; hybrid captures like
+online in the first epoch and keeps the states in the per-sample store, so each token is
+computed once and the store holds what offline writes. The disk problem is the selected mode's
+only: a disk too small for offline does not refuse a run in online mode.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params
+from eagle3pipe.data import store
+from eagle3pipe.data.online import PREFETCH_PACKS
 from eagle3pipe.draft.arch import NUM_AUX
 from eagle3pipe.errors import Problem
-from eagle3pipe.runtime.units import GiB, human
+from eagle3pipe.runtime.disk import free_bytes
+from eagle3pipe.runtime.units import GiB, human, parse_size
 from eagle3pipe.stages import dataset, export, extract, smoke, train
 from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages import verifier as verifier_stage
@@ -27,6 +41,27 @@ from eagle3pipe.verifier.preflight import eagle3_limit
 
 # the stages with an estimate, in the pipeline's order
 ESTIMATED = (verifier_stage, dataset, extract, train, export, smoke)
+
+
+@dataclass
+class Mode:
+    """One way the train stage gets its hidden states: extract.mode, and for online and hybrid
+    whether the engine is a server at extract.endpoint (else inside the train stage)."""
+    mode: str
+    endpoint: bool
+    engine: str  # where the verifier engine that captures the states runs
+    disk_bytes: int  # the most it holds on disk at once
+    disk_at: str  # where those bytes are written
+    device_bytes: int | None  # per device on the training nodes
+    host_bytes: int | None
+    forwards: int  # tokens whose states the verifier computes, over the whole training
+    free_bytes: int  # the free disk judged against (--disk, or measured at disk_at)
+    fits: bool
+    selected: bool  # what params.yaml's extract.mode and extract.endpoint select
+
+    @property
+    def label(self) -> str:
+        return self.mode + (", endpoint" if self.endpoint else "")
 
 
 @dataclass
@@ -44,6 +79,9 @@ class Plan:
     verifier_weight_bytes: int
     verifier_weights_from: str
     stages: list[E.Estimate]
+    modes: list[Mode]
+    mode_notes: list[str]
+    disk_from: str  # the free disk the modes are judged against: --disk, or where measured
     assumptions: list[str]
     problems: list[str]
 
@@ -100,8 +138,133 @@ def _fit_problems(params: Params, stages: list[E.Estimate], device: int, gpu: bo
                 f"{human(host_memory_bytes())}", "run it on a larger machine or the GPU path")
 
 
+def parse_tokens(text: str) -> int:
+    """--tokens: a positive whole count, written 1000000000 or 1e9; ValueError otherwise."""
+    try:
+        n = int(text)
+    except ValueError:
+        try:
+            x = float(text)
+        except ValueError:
+            x = 0.0
+        n = int(x) if x.is_integer() else 0  # 1.5, nan and inf are not counts
+    if n < 1:
+        raise ValueError(f"{text!r} is not a positive whole number of tokens "
+                         "(e.g. 1e9 or 1000000000)")
+    return n
+
+
+def _free(path: Path, disk: int | None) -> tuple[str, int]:
+    """The free disk a mode's bytes are judged against: --disk, else the free space where
+    `path` (or its nearest existing parent) lives, or $EAGLE3PIPE_FREE_BYTES as the runner's
+    check (estimate.disk_problem) reads it."""
+    if disk is not None:
+        return "--disk", disk
+    where, free = free_bytes(path)
+    what_if = os.environ.get(E.FREE_BYTES_ENV)
+    return str(where), int(what_if) if what_if else free
+
+
+def _shown(path: Path) -> Path:
+    """path relative to the working directory where it lies inside it (the report's form)."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
+def _as_offline(params: Params) -> Params:
+    """params with extract.mode offline: the extract estimate is then
+    the engine writing every state, the train estimate the trainer alone, whatever either stage
+    estimates for another mode."""
+    return dataclasses.replace(params, extract=dataclasses.replace(
+        params.extract, mode="offline", endpoint=None))
+
+
+def _add(*xs: int | None) -> int | None:
+    return None if all(x is None for x in xs) else sum(x or 0 for x in xs)
+
+
+def _most(*xs: int | None) -> int | None:
+    return None if all(x is None for x in xs) else max(x or 0 for x in xs)
+
+
+def modes_of(params: Params, f: E.Figures, artifacts: str | Path,
+             disk: int | None) -> tuple[list[Mode], list[str]]:
+    """The modes table's rows and its notes, from the offline extract and train estimates."""
+    offline = _as_offline(params)
+    ex, tr = extract.estimate(offline, f), train.estimate(offline, f)
+    t = params.train
+    per_epoch = tr.tokens // t.epochs  # train's estimate counts every epoch
+    eval_tokens = ex.tokens - per_epoch
+    rows, evals = ex.tokens * E.TOKEN_ROW_BYTES, eval_tokens * f.hidden_per_token
+    window = PREFETCH_PACKS * t.nproc_per_node * t.batch_tokens * f.hidden_per_token
+    online_disk, online_forwards = rows + evals + window, tr.tokens + eval_tokens
+    # online's rows and transient states are judged where offline writes; hybrid's in the store
+    hidden, kept = Path(artifacts) / "hidden", _shown(store.root())
+    mode = params.extract.mode
+    chosen = mode, mode != "offline" and params.extract.endpoint is not None
+    both = _add(ex.device_bytes, tr.device_bytes), _add(ex.host_bytes, tr.host_bytes)
+    alone = tr.device_bytes, tr.host_bytes
+    rows_of = [("offline", False, "extract stage, then train", ex.disk_bytes, hidden,
+                (_most(ex.device_bytes, tr.device_bytes), _most(ex.host_bytes, tr.host_bytes)),
+                ex.tokens),
+               ("online", False, "train stage, same devices", online_disk, hidden, both,
+                online_forwards),
+               ("online", True, "server at extract.endpoint", online_disk, hidden, alone,
+                online_forwards),
+               ("hybrid", False, "train stage, same devices", ex.disk_bytes, kept, both,
+                ex.tokens),
+               ("hybrid", True, "server at extract.endpoint", ex.disk_bytes, kept, alone,
+                ex.tokens)]
+    modes = []
+    for name, endpoint, engine, need, at, (device, host), forwards in rows_of:
+        _, free = _free(at, disk)
+        modes.append(Mode(name, endpoint, engine, need, str(at), device, host, forwards, free,
+                          need <= free, (name, endpoint) == chosen))
+    bound = os.environ.get(store.BOUND_ENV) or store.DEFAULT_BOUND
+    try:
+        bound = human(parse_size(bound))
+    except ValueError:  # the data stages refuse it; the report shows it as written
+        bound = repr(bound)
+    notes = [f"offline and hybrid compute each token's states once ({ex.tokens:,} tokens); "
+             f"online every epoch: {per_epoch:,} train tokens x {t.epochs} (train.epochs) + "
+             f"{eval_tokens:,} eval tokens once",
+             f"online disk: token rows {human(rows)} + the eval split's states {human(evals)} "
+             f"(kept while training) + a prefetch window of {PREFETCH_PACKS} batches x "
+             f"{t.nproc_per_node} processes x {t.batch_tokens} tokens (train.batch_tokens) = "
+             f"{human(window)}",
+             f"hybrid keeps {human(ex.disk_bytes)} in the per-sample store {kept} "
+             f"(${store.STORE_ENV}), which ${store.BOUND_ENV} bounds (now {bound})",
+             f"same devices: the engine ({human(ex.device_bytes)}) and the trainer "
+             f"({human(tr.device_bytes or tr.host_bytes)}) at once; at extract.endpoint the "
+             f"engine's {ex.processes} ranks run on the inference nodes"]
+    return modes, notes
+
+
+def _shared_device_problem(params: Params, trainer: E.Estimate, chosen: Mode, device: int,
+                           bad) -> None:
+    """The engine inside the train stage (online, hybrid without extract.endpoint) shares each
+    GPU with the trainer: vLLM takes gpu_memory_utilization of it (or the weights plus
+    kv_cache_memory_bytes), the trainer needs the rest."""
+    v, need = params.vllm, trainer.device_bytes or 0
+    if v.kv_cache_memory_bytes:
+        if (chosen.device_bytes or 0) > device:
+            bad("vllm.kv_cache_memory_bytes", f"extract.mode {chosen.mode} with the engine in "
+                f"the train stage: engine and trainer need {human(chosen.device_bytes)} per GPU, "
+                f"more than the device's {human(device)}", "lower vllm.kv_cache_memory_bytes, "
+                "set extract.endpoint to a server on other nodes, or extract.mode: offline")
+    elif need > (1 - v.gpu_memory_utilization) * device:
+        bad("vllm.gpu_memory_utilization", f"{v.gpu_memory_utilization} leaves "
+            f"{human((1 - v.gpu_memory_utilization) * device)} per GPU beside the engine, but "
+            f"the trainer needs {human(need)} (extract.mode {chosen.mode}, engine in the train "
+            "stage)", "lower vllm.gpu_memory_utilization (or set vllm.kv_cache_memory_bytes), "
+            "set extract.endpoint to a server on other nodes, or extract.mode: offline")
+
+
 def problems_of(params: Params, cfg: dict, f: E.Figures, stages: list[E.Estimate], device: int,
-                artifacts: str | Path) -> list[str]:
+                chosen: Mode, disk: int | None) -> list[str]:
+    """What cannot work; the disk problem is the selected mode's (chosen)."""
     file, lines = P.source_of(params), P.lines_of(params)
     found: list[Problem] = []
     P.check_engine(params, file, lines, found)  # the draft's heads vs TP, max_model_len
@@ -112,27 +275,52 @@ def problems_of(params: Params, cfg: dict, f: E.Figures, stages: list[E.Estimate
     _heads_problems(params, cfg, bad)
     _machine_problems(params, cfg, f, bad)
     _fit_problems(params, stages, device, f.gpu, bad)
-    extract = next(s for s in stages if s.name == "extract")
-    disk = E.disk_problem(extract.disk_bytes, Path(artifacts) / "hidden", extract.sized_by)
-    return [str(p) for p in found + ([disk] if disk else [])]
+    if f.gpu and not chosen.endpoint and chosen.mode != "offline":
+        _shared_device_problem(params, train.estimate(_as_offline(params), f), chosen, device,
+                               bad)
+    if not chosen.fits:
+        where, free = _free(Path(chosen.disk_at), disk)
+        found.append(Problem(chosen.disk_at, None, "dataset.num_samples",
+                             f"needs {human(chosen.disk_bytes)} (extract.mode {chosen.mode}) but "
+                             + (f"--disk is {human(free)}" if disk is not None else
+                                f"{where} has {human(free)} free"), "free disk there, put "
+                             f"{chosen.disk_at} on a larger disk, lower dataset.num_samples, or "
+                             "an extract.mode that fits (the modes table)"))
+    return [str(p) for p in found]
 
 
 def build(params: Params, verifier_config: str | Path, *, gpu: bool | None = None,
-          device_gib: float = 80.0, artifacts: str | Path = "artifacts") -> Plan:
+          device_gib: float = 80.0, artifacts: str | Path = "artifacts",
+          tokens: int | None = None, disk: int | None = None) -> Plan:
     """The plan of a run of `params` on this machine. gpu None: torch's answer; a GPU's memory
-    is device_gib, without a GPU the host's memory stands for the device."""
+    is device_gib, without a GPU the host's memory stands for the device. tokens: the token
+    count every estimate uses instead of the dataset's; disk: the free disk to judge against
+    instead of the measured one."""
     gpu = E.cuda_available() if gpu is None else gpu
     device = int(device_gib * GiB) if gpu else host_memory_bytes()
     _, cfg, cfg_file = read_config(verifier_config)
     f = E.figures(params, cfg_file, gpu)
+    d = params.dataset
+    counted = (f"tokens: {f.tokens:,} = dataset.num_samples x (max_prompt_tokens + "
+               "max_new_tokens), an upper bound: every sample at its longest")
+    if tokens is not None:
+        counted = (f"tokens: {tokens:,} (--tokens), instead of dataset.num_samples "
+                   f"{d.num_samples:,} x {d.max_prompt_tokens + d.max_new_tokens} = "
+                   f"{f.tokens:,}")
+        f = dataclasses.replace(f, tokens=tokens)
     stages = [m.estimate(params, f) for m in ESTIMATED]
-    assumptions = [f"verifier weights: {f.verifier_from}",
-                   "tokens are upper bounds: every sample at max_prompt_tokens + max_new_tokens",
+    modes, notes = modes_of(params, f, artifacts, disk)
+    chosen = next(m for m in modes if m.selected)
+    measured = dict(_free(Path(m.disk_at), None) for m in modes)
+    disk_from = f"{human(disk)} (--disk)" if disk is not None else ", ".join(
+        f"{human(free)} at {where}" for where, free in measured.items()) + (
+        f" (${E.FREE_BYTES_ENV})" if os.environ.get(E.FREE_BYTES_ENV) else "")
+    assumptions = [f"verifier weights: {f.verifier_from}", counted,
                    "training memory and activations are estimates"]
     return Plan(P.source_of(params), str(cfg_file), f.model_type, f.hidden_size, gpu, device,
                 f.hidden_per_token, f.draft_params, f.draft_bytes, f.verifier_params,
-                f.verifier_bytes, f.verifier_from, stages, assumptions,
-                problems_of(params, cfg, f, stages, device, artifacts))
+                f.verifier_bytes, f.verifier_from, stages, modes, notes, disk_from, assumptions,
+                problems_of(params, cfg, f, stages, device, chosen, disk))
 
 
 COLUMNS = (("stage", 9), ("engine", 40), ("procs", 5), ("tokens", 13), ("disk written", 12),
@@ -146,8 +334,19 @@ def _row(cells: list[str]) -> str:
     return "  ".join(out).rstrip()
 
 
+MODE_COLUMNS = (("mode", 18), ("verifier engine", 26), ("disk written", 12),
+                ("memory/device", 13), ("host memory", 11), ("forwards (tokens)", 17),
+                ("fits disk", 9))
+
+
+def _mode_row(cells: list[str]) -> str:
+    return "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                     for i, ((_, w), cell) in enumerate(zip(MODE_COLUMNS, cells))).rstrip()
+
+
 def render(plan: Plan) -> str:
-    """The human form: the figures, a fixed-width table of the stages, notes and problems."""
+    """The human form: the figures, fixed-width tables of the stages and the modes, notes and
+    problems."""
     dtype_bytes = plan.hidden_bytes_per_token // ((NUM_AUX + 1) * plan.hidden_size)
     machine = (f"GPU, {human(plan.device_bytes)} per device (--device-gib)" if plan.gpu else
                f"CPU only (torch sees no GPU): host memory {human(plan.device_bytes)}")
@@ -164,6 +363,15 @@ def render(plan: Plan) -> str:
         lines.append(_row([s.name, s.engine, str(s.processes),
                            "-" if s.tokens is None else f"{s.tokens:,}", human(s.disk_bytes),
                            human(s.device_bytes), human(s.host_bytes)]))
+    lines += ["", f"modes (* extract.mode and extract.endpoint in {plan.params_file}; free disk "
+              f"{plan.disk_from}):", _mode_row([c for c, _ in MODE_COLUMNS]),
+              _mode_row(["-" * w for _, w in MODE_COLUMNS])]
+    for m in plan.modes:
+        lines.append(_mode_row([f"{'*' if m.selected else ' '} {m.label}", m.engine,
+                                human(m.disk_bytes), human(m.device_bytes), human(m.host_bytes),
+                                f"{m.forwards:,}", "yes" if m.fits else "no"]))
+    lines += [textwrap.fill(n, 100, initial_indent="  ", subsequent_indent="    ")
+              for n in plan.mode_notes]
     lines += ["", "notes:"] + [f"  {s.name}: {n}" for s in plan.stages for n in s.notes]
     lines += ["assumptions:"] + [f"  - {a}" for a in plan.assumptions]
     if plan.problems:

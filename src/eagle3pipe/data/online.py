@@ -104,7 +104,7 @@ class Producer:
         self.cond = threading.Condition()
         self.ready = {k for k in tokens if hs.has(k)}
         self.generated: set[str] = set()
-        self.produced = self.released = 0
+        self.released = 0  # train packs the trainer is done with
         self.waited_s, self.error, self.stopping = 0.0, None, False
         self.computed = self.deleted = 0
         self.budget = self._hybrid_budget() if m.mode == "hybrid" else 0
@@ -129,12 +129,9 @@ class Producer:
                                        or n - self.lead - self.released < self.window)
                     if self.stopping:
                         return
-                missing = list(dict.fromkeys(k for k in pack if k not in self.ready))
+                    missing = list(dict.fromkeys(k for k in pack if k not in self.ready))
                 for start in range(0, len(missing), self.batch_size):
                     self._compute(missing[start:start + self.batch_size])
-                with self.cond:
-                    self.produced = n + 1
-                    self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by get()
             with self.cond:
                 self.error = e

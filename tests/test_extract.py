@@ -78,7 +78,8 @@ def _files(d: Path) -> dict[str, bytes]:
 
 def section(**override):
     return types.SimpleNamespace(**{**dict(dtype="bfloat16", batch_size=2, threads=2,
-                                           oracle_samples=2, oracle_tolerance=0.01), **override})
+                                           oracle_samples=2, oracle_tolerance=0.01,
+                                           mode="offline", endpoint=None), **override})
 
 
 @pytest.fixture(scope="module")

@@ -4,4 +4,4 @@ from eagle3pipe.stages import dataset, runner
 
 if __name__ == "__main__":
     runner.main("dataset", dataset.run, paths=("verifier", "out", "metrics"),
-                estimate=dataset.estimate, doc=__doc__)
+                estimate=True, doc=__doc__)

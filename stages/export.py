@@ -4,4 +4,4 @@ from eagle3pipe.stages import export, runner
 
 if __name__ == "__main__":
     runner.main("export", export.run, paths=("checkpoint", "speculators_config", "vllm_config", "verifier", "out"),
-                estimate=export.estimate, doc=__doc__)
+                estimate=True, doc=__doc__)

@@ -4,4 +4,4 @@ from eagle3pipe.stages import extract, runner
 
 if __name__ == "__main__":
     runner.main("extract", extract.run, paths=("verifier", "dataset", "capture", "out", "metrics"),
-                estimate=extract.estimate, doc=__doc__)
+                estimate=True, doc=__doc__)

@@ -15,9 +15,9 @@ from eagle3pipe.draft import arch as A
 from eagle3pipe.tools import cli
 from eagle3pipe.config import params as P
 from eagle3pipe.runtime import units
-from eagle3pipe.stages import estimate
+from eagle3pipe.estimates import check as estimate
+from eagle3pipe.estimates import size
 from eagle3pipe.tools import plan
-from eagle3pipe.verifier import size
 from eagle3pipe.verifier.handle import VerifierInfo
 
 from helpers.micro import ROOT
@@ -190,7 +190,6 @@ def test_the_runners_estimate_skips_a_verifier_config_the_new_params_outgrew(tmp
     against the planned verifier); it logs that it skipped."""
     import logging
 
-    from eagle3pipe.stages import verifier as verifier_stage
     from ruamel.yaml import YAML
 
     (tmp_path / "configs").mkdir()
@@ -200,7 +199,7 @@ def test_the_runners_estimate_skips_a_verifier_config_the_new_params_outgrew(tmp
     shutil.copyfile(DEFAULT, tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO):
-        estimate.check("verifier", verifier_stage.estimate, tmp_path / "params.yaml", None)
+        estimate.check("verifier", tmp_path / "params.yaml", None)
     assert "estimate: skipped (configs/verifier_config.json does not fit the draft params yet: "\
         "draft.aux_layer_ids: layer id 8 is outside" in caplog.text, caplog.text
 

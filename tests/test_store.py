@@ -140,7 +140,7 @@ def test_gc_with_a_bound_below_the_referenced_entries_says_so(repo):
 
 
 def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
-    """The stage runner's check of the stage's own estimate (eagle3pipe.stages.estimate.check)
+    """The stage runner's check of the stage's own estimate (eagle3pipe.estimates.check)
     before any compute; the free-space figure is faked with $EAGLE3PIPE_FREE_BYTES."""
     before = digest(repo / "artifacts/dataset")
     r = subprocess.run(["dvc", "repro", "-f", "-s", "dataset"], cwd=repo, capture_output=True,

@@ -36,7 +36,6 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
 from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
@@ -46,7 +45,6 @@ from eagle3pipe.errors import Error, ParamsAt
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
-from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier.handle import Verifier
 
@@ -284,13 +282,3 @@ def run(params: StageView, paths: Paths) -> dict:
     return build(params.dataset, engine.settings_of(params.vllm), paths.verifier, paths.out,
                  progress=paths.progress, at=params.params_at,
                  record_to=store.counts_path("dataset", paths.dvc_yaml))
-
-
-def estimate(params: Params, f: E.Figures) -> E.Estimate:
-    """The verifier in vLLM regenerating every reply; ~TOKEN_ROW_BYTES of disk per token."""
-    d = params.dataset
-    e = E.engine_estimate("dataset", params.vllm, f, f.tokens, f.tokens * E.TOKEN_ROW_BYTES,
-                          sized_by="dataset.num_samples")
-    e.notes.append(f"tokens <= {d.num_samples:,} samples x ({d.max_prompt_tokens} + "
-                   f"{d.max_new_tokens}); disk ~{E.TOKEN_ROW_BYTES} B/token")
-    return e

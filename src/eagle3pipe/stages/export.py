@@ -26,15 +26,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft import formats
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.atomic import atomic_dir
-from eagle3pipe.runtime.units import human
-from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier.handle import VerifierInfo
 
@@ -169,12 +166,3 @@ def run(params: StageView, paths: Paths) -> None:
     for fmt, s in summary.items():
         log.info("%s/%s: %d tensors, %s, %d bytes", paths.out, fmt, s["tensors"], s["dtype"],
                  s["bytes"])
-
-
-def estimate(params: Params, f: E.Figures) -> E.Estimate:
-    """One file per exported layout, each the draft in draft.dtype."""
-    n = len(archmod.LAYOUTS)
-    return E.Estimate("export", "none (torch CPU)", 1, None, n * f.draft_bytes, None,
-                      f.train_bytes + f.draft_bytes,
-                      [f"{n} layouts x {human(f.draft_bytes)} in {params.draft.dtype}"],
-                      sized_by="draft (its size)")

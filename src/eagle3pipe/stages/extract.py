@@ -38,7 +38,6 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
 from eagle3pipe.data.samples import Sample
@@ -47,8 +46,6 @@ from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import read_json_object, write_json
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.runtime.units import human
-from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages.extract_checks import (
     ExtractError,
     Oracle,
@@ -338,14 +335,3 @@ def run(params: StageView, paths: Paths) -> dict:
              m["samples"], m["tokens"], m["tokens_per_second"], m["bytes_per_token"],
              m["min_bytes_per_token"], paths.out)
     return {k: v for k, v in m.items() if k != "tokens_per_second"}
-
-
-def estimate(params: Params, f: E.Figures) -> E.Estimate:
-    """The verifier in vLLM capturing every token's states: the largest output of the run."""
-    hidden = f.tokens * f.hidden_per_token
-    rows = f.tokens * (E.HS_TOKEN_IDS_BYTES + E.TOKEN_ROW_BYTES)
-    e = E.engine_estimate("extract", params.vllm, f, f.tokens, hidden + rows,
-                          sized_by="dataset.num_samples")
-    e.notes.append(f"hidden states {f.hidden_per_token:,} B/token x {f.tokens:,} tokens = "
-                   f"{human(hidden)}, + {human(rows)} of token ids and rows")
-    return e

@@ -9,14 +9,22 @@ A stage script is a few lines:
 `main` parses `--params`, `--dvc-yaml`, `--no-progress` and one `--<path>` option per declared
 path (underscores spelled as dashes), records the run ($EAGLE3PIPE_RUN_LOG), loads params.yaml
 once into a view that refuses keys dvc.yaml does not declare for the stage
-(eagle3pipe.config.view.for_stage), sets up logging, logs the stage's own estimate (its
-`estimate`, eagle3pipe.stages.estimate) and refuses before any compute an output that cannot
-fit on the free disk, calls the stage's typed `run(params, paths) -> metrics`, and writes the
-metrics to `--metrics` when the stage declares that path. Every eagle3pipe.errors.Error becomes
-one report on stderr (file:line:key and the fix) and exit code errors.EXIT_INPUT, and so does a
-full disk (ENOSPC / EDQUOT from any writer: it names the output on the fullest filesystem and
-its free space; atomic outputs mean nothing partial was published); nothing else is caught.
-The stage process dies with its launcher (eagle3pipe.runtime.atomic.bind_to_launcher).
+(eagle3pipe.config.view.for_stage), sets up logging, with `estimate=True` (every stage but
+configs and vocab) logs the stage's estimate and refuses before any compute an output that
+cannot fit on the free disk (eagle3pipe.estimates.check), calls the stage's typed
+`run(params, paths) -> metrics`, and writes the metrics to `--metrics` when the stage declares
+that path. Every eagle3pipe.errors.Error becomes one report on stderr (file:line:key and the
+fix) and exit code errors.EXIT_INPUT, and so does a full disk (ENOSPC / EDQUOT from any writer:
+it names the output on the fullest filesystem and its free space; atomic outputs mean nothing
+partial was published); nothing else is caught. The stage process dies with its launcher
+(eagle3pipe.runtime.atomic.bind_to_launcher).
+
+The estimates are refuse-only: the runner imports eagle3pipe.estimates and finds the stage's
+estimate by the stage's name (estimates.stages.ESTIMATES); an estimate logs lines or refuses
+the run before `run` starts, and never changes an output byte. So the deps tool leaves that
+package out of every stage's import closure (eagle3pipe.tools.deps.REFUSE_ONLY) and lets no
+module but this one import it: editing a memory or disk formula reruns no stage
+(tests/test_deps.py proves it with `dvc status`).
 """
 from __future__ import annotations
 
@@ -30,11 +38,11 @@ from typing import Callable
 from eagle3pipe.config import dvcfile
 from eagle3pipe.config.view import StageView, for_stage
 from eagle3pipe.errors import EXIT_INPUT, EXIT_OK, Error
+from eagle3pipe.estimates.check import check as check_estimate
 from eagle3pipe.runtime.atomic import bind_to_launcher
 from eagle3pipe.runtime.disk import disk_full, free_bytes
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.units import human
-from eagle3pipe.stages import estimate as E
 
 
 def record_run(stage: str) -> None:
@@ -71,9 +79,12 @@ def parse(stage: str, paths: tuple[str, ...], argv: list[str] | None, doc: str |
 
 
 def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
-         paths: tuple[str, ...], estimate: E.Estimator | None = None,
+         paths: tuple[str, ...], estimate: bool = False,
          argv: list[str] | None = None, doc: str | None = None, exit: bool = True) -> int:
-    """Runs one stage; returns (or exits with) EXIT_OK, or EXIT_INPUT on an Error."""
+    """Runs one stage; returns (or exits with) EXIT_OK, or EXIT_INPUT on an Error. With
+    estimate, the stage's estimate (eagle3pipe.estimates.stages.ESTIMATES[stage]) is logged and
+    checked against the free disk before `run` (train checks it in each torchrun worker, not in
+    the launcher)."""
     if argv is None:  # this process is the stage (its command line): it dies with its launcher
         bind_to_launcher()
     a, p = parse(stage, paths, argv, doc)
@@ -83,8 +94,8 @@ def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
     try:
         try:
             view = for_stage(stage, a.params, a.dvc_yaml)
-            if estimate is not None:
-                E.check(stage, estimate, a.params, getattr(p, "out", None))
+            if estimate:
+                check_estimate(stage, a.params, getattr(p, "out", None))
             metrics = run(view, p)
             if "metrics" in paths:
                 write_json(p.metrics, metrics)

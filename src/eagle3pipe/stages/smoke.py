@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import ParamsAt
@@ -41,12 +40,10 @@ from eagle3pipe.engines.speed import REFERENCE, timing_of
 from eagle3pipe.runtime.jsonio import dumps, write_json
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages import smoke_agreement as agreement
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.stages.smoke_engines import EngineRun, Measured, run_engines
 from eagle3pipe.stages.smoke_inputs import (
-    FORMATS,
     NGRAM,
     SWEPT,
     Inputs,
@@ -334,14 +331,3 @@ def run(params: StageView, paths: Paths) -> dict:
                    train_metrics=paths.train_metrics, plots_path=paths.plots,
                    outputs=Outputs.beside(paths.metrics, paths.plots), progress=paths.progress,
                    at=params.params_at)
-
-
-def estimate(params: Params, f: E.Figures) -> E.Estimate:
-    """Every engine (no speculation, one per exported layout, ngram) one after another."""
-    s, v = params.smoke, params.vllm
-    engines = 2 + len(FORMATS)
-    e = E.engine_estimate("smoke", v, f, s.num_prompts * s.max_tokens * engines, None,
-                          extra=f.draft_bytes // v.tensor_parallel_size)
-    e.notes.append(f"{engines} engines one after another, {s.num_prompts} prompts x "
-                   f"{s.max_tokens} tokens each")
-    return e

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import RUN_ONLY, StageView
 from eagle3pipe.data import batches, online, store
 from eagle3pipe.data.batches import Batches, TrainInputError, open_split
@@ -57,8 +56,6 @@ from eagle3pipe.runtime.distributed import (
 )
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.runtime.units import human
-from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.stages.train_metrics import Metrics
 from eagle3pipe.verifier import families
@@ -429,20 +426,3 @@ def run(params: StageView, paths: Paths) -> None:
     log.info("%s written; step %s, eval loss %.4f, acceptance length (training estimate) %.2f",
              paths.out, final.get("step"), ev.get("loss", float("nan")),
              ev.get("accept_len", float("nan")))
-
-
-def estimate(params: Params, f: E.Figures) -> E.Estimate:
-    """Per process: the draft's weights, grads and AdamW state, plus activations."""
-    t = params.train
-    act = t.batch_tokens * t.ttt_steps * f.activation_floats * 4
-    per_process = f.draft_params * E.ADAMW_BYTES_PER_PARAM + act
-    train_tokens = int(f.tokens * (1 - params.dataset.eval_fraction)) * t.epochs
-    on_gpu = t.device == "cuda"
-    return E.Estimate(
-        "train", f"torchrun x{t.nproc_per_node} ({t.device})", t.nproc_per_node, train_tokens,
-        f.train_bytes, per_process if on_gpu else None,
-        None if on_gpu else per_process * t.nproc_per_node,
-        [f"estimate: {f.draft_params:,} params x {E.ADAMW_BYTES_PER_PARAM} B (weights, grads, "
-         f"AdamW) + activations {t.batch_tokens} tokens x {t.ttt_steps} TTT steps x "
-         f"{f.activation_floats:,} floats x 4 B = {human(act)}"],
-        sized_by="draft (its size) and train.epochs")

@@ -24,17 +24,14 @@ import shutil
 import time
 from pathlib import Path
 
-from eagle3pipe.config.schema import Params
 from eagle3pipe.config.view import StageView
 from eagle3pipe.errors import Problem
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.runtime.kernels import kernels
-from eagle3pipe.stages import estimate as E
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier import fingerprint as fp
 from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
-from eagle3pipe.verifier.size import config_param_estimate
 
 log = logging.getLogger(__name__)
 
@@ -185,24 +182,3 @@ def run(params: StageView, paths: Paths) -> dict:
     log.info("wrote %s (%s)", paths.out,
              ", ".join(f"{k}={m[k]}" for k in ("mode", "n_files", "total_bytes")))
     return {**m, "kernels": kernels(vllm=False)}
-
-
-def estimate(params: Params, f: E.Figures) -> E.Estimate:
-    """The embedded verifier's training, or a path verifier's fingerprint (a manifest only)."""
-    e = params.verifier.embedded
-    if params.verifier.path is not None or e is None:
-        return E.Estimate("verifier", f"none (fingerprint: {params.verifier.hash_mode})", 1,
-                          notes=[f"fingerprints {params.verifier.path}; writes a manifest only"])
-    # the size the params ask for: the config on disk may be a previous build's
-    n, _ = config_param_estimate({
-        "hidden_size": e.hidden_size, "num_hidden_layers": e.num_hidden_layers,
-        "vocab_size": e.tokenizer_vocab_size, "intermediate_size": e.intermediate_size,
-        "num_attention_heads": e.num_attention_heads,
-        "num_key_value_heads": e.num_key_value_heads, "head_dim": e.head_dim,
-        "tie_word_embeddings": False})
-    return E.Estimate(
-        "verifier", f"torch CPU x{e.threads} threads (embedded)", 1,
-        tokens=e.train_steps * e.batch_size * e.seq_len, disk_bytes=n * 4,  # float32 weights
-        host_bytes=n * E.ADAMW_BYTES_PER_PARAM, sized_by="verifier.embedded",
-        notes=[f"trains {n:,} parameters for {e.train_steps} steps of "
-               f"{e.batch_size} x {e.seq_len} tokens"])

@@ -1,11 +1,12 @@
 """`eagle3pipe plan`: what each stage will run, hold and write, and what cannot work, from
 params.yaml and the verifier's config.json alone (no model loaded, no engine started).
 
-The figures are each stage module's own `estimate` (eagle3pipe.stages.estimate explains them;
-the stage runner logs the same estimate and refuses an output that cannot fit), tabulated here
-with what this machine adds: vLLM's known limits, memory that exceeds a device or the host,
-tensor-parallel ranks that do not split the verifier's heads. The planner depends on the
-stages, never the reverse, so editing this report reruns no stage.
+The figures are each stage's estimate (eagle3pipe.estimates: figures explains them, stages
+holds one per stage; the stage runner logs the same estimate and refuses an output that cannot
+fit), tabulated here with what this machine adds: vLLM's known limits, memory that exceeds a
+device or the host, tensor-parallel ranks that do not split the verifier's heads. No stage
+imports the planner, and the estimates are no stage's code deps, so editing either reruns no
+stage.
 
 The modes table compares the three ways the train stage gets its hidden states (extract.mode,
 docs/stages.md), computed from the extract and train estimates: offline writes every token's
@@ -33,14 +34,11 @@ from eagle3pipe.draft.arch import NUM_AUX
 from eagle3pipe.errors import Problem
 from eagle3pipe.runtime.disk import free_bytes
 from eagle3pipe.runtime.units import GiB, human, parse_size
-from eagle3pipe.stages import dataset, export, extract, smoke, train
-from eagle3pipe.stages import estimate as E
-from eagle3pipe.stages import verifier as verifier_stage
+from eagle3pipe.estimates import figures as E
+from eagle3pipe.estimates import stages as estimate
+from eagle3pipe.estimates.check import FREE_BYTES_ENV
 from eagle3pipe.verifier.handle import read_config
 from eagle3pipe.verifier.preflight import eagle3_limit
-
-# the stages with an estimate, in the pipeline's order
-ESTIMATED = (verifier_stage, dataset, extract, train, export, smoke)
 
 
 @dataclass
@@ -157,11 +155,11 @@ def parse_tokens(text: str) -> int:
 def _free(path: Path, disk: int | None) -> tuple[str, int]:
     """The free disk a mode's bytes are judged against: --disk, else the free space where
     `path` (or its nearest existing parent) lives, or $EAGLE3PIPE_FREE_BYTES as the runner's
-    check (estimate.disk_problem) reads it."""
+    check (eagle3pipe.estimates.check.disk_problem) reads it."""
     if disk is not None:
         return "--disk", disk
     where, free = free_bytes(path)
-    what_if = os.environ.get(E.FREE_BYTES_ENV)
+    what_if = os.environ.get(FREE_BYTES_ENV)
     return str(where), int(what_if) if what_if else free
 
 
@@ -193,7 +191,7 @@ def modes_of(params: Params, f: E.Figures, artifacts: str | Path,
              disk: int | None) -> tuple[list[Mode], list[str]]:
     """The modes table's rows and its notes, from the offline extract and train estimates."""
     offline = _as_offline(params)
-    ex, tr = extract.estimate(offline, f), train.estimate(offline, f)
+    ex, tr = estimate.extract(offline, f), estimate.train(offline, f)
     t = params.train
     per_epoch = tr.tokens // t.epochs  # train's estimate counts every epoch
     eval_tokens = ex.tokens - per_epoch
@@ -276,7 +274,7 @@ def problems_of(params: Params, cfg: dict, f: E.Figures, stages: list[E.Estimate
     _machine_problems(params, cfg, f, bad)
     _fit_problems(params, stages, device, f.gpu, bad)
     if f.gpu and not chosen.endpoint and chosen.mode != "offline":
-        _shared_device_problem(params, train.estimate(_as_offline(params), f), chosen, device,
+        _shared_device_problem(params, estimate.train(_as_offline(params), f), chosen, device,
                                bad)
     if not chosen.fits:
         where, free = _free(Path(chosen.disk_at), disk)
@@ -308,13 +306,13 @@ def build(params: Params, verifier_config: str | Path, *, gpu: bool | None = Non
                    f"{d.num_samples:,} x {d.max_prompt_tokens + d.max_new_tokens} = "
                    f"{f.tokens:,}")
         f = dataclasses.replace(f, tokens=tokens)
-    stages = [m.estimate(params, f) for m in ESTIMATED]
+    stages = [e(params, f) for e in estimate.ESTIMATES.values()]
     modes, notes = modes_of(params, f, artifacts, disk)
     chosen = next(m for m in modes if m.selected)
     measured = dict(_free(Path(m.disk_at), None) for m in modes)
     disk_from = f"{human(disk)} (--disk)" if disk is not None else ", ".join(
         f"{human(free)} at {where}" for where, free in measured.items()) + (
-        f" (${E.FREE_BYTES_ENV})" if os.environ.get(E.FREE_BYTES_ENV) else "")
+        f" (${FREE_BYTES_ENV})" if os.environ.get(FREE_BYTES_ENV) else "")
     assumptions = [f"verifier weights: {f.verifier_from}", counted,
                    "training memory and activations are estimates"]
     return Plan(P.source_of(params), str(cfg_file), f.model_type, f.hidden_size, gpu, device,

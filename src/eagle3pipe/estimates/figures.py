@@ -1,19 +1,14 @@
-"""What a stage will run, hold and write, estimated before any compute from params.yaml and the
-verifier's config.json alone (no model loaded, no engine started).
+"""What every stage's estimate is computed from, from params.yaml and the verifier's config.json
+alone (no model loaded, no engine started), and the record an estimate is.
 
-Each stage module supplies `estimate(params, figures) -> Estimate`; the runner logs it at the
-start of the stage and refuses, before any compute, an output that would not fit on the free
-disk where it is written (`check`); `eagle3pipe plan` (eagle3pipe.tools.plan) tabulates the
-same estimates for every stage. Hand-checkable figures: hidden-state bytes/token =
-(NUM_AUX + 1) x H x bytes(extract.dtype) (57,344 for bf16 at H 7168); tokens =
-dataset.num_samples x (max_prompt_tokens + max_new_tokens), an upper bound; draft parameters =
-numel of arch.contract's floating tensors; verifier weights from eagle3pipe.verifier.size.
+Hand-checkable figures: hidden-state bytes/token = (NUM_AUX + 1) x H x bytes(extract.dtype)
+(57,344 for bf16 at H 7168); tokens = dataset.num_samples x (max_prompt_tokens +
+max_new_tokens), an upper bound; draft parameters = numel of arch.contract's floating tensors;
+verifier weights from eagle3pipe.estimates.size.
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,21 +16,13 @@ from typing import Callable
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params, VllmParams
 from eagle3pipe.draft import arch as A
-from eagle3pipe.errors import Error, Problem
-from eagle3pipe.runtime.disk import free_bytes
+from eagle3pipe.estimates.size import verifier_weights
 from eagle3pipe.runtime.units import DTYPE_BYTES, human
-from eagle3pipe.verifier.handle import (
-    VerifierConfigError,
-    VerifierInfo,
-    find_config,
-    read_config,
-)
-from eagle3pipe.verifier.size import verifier_weights
+from eagle3pipe.verifier.handle import VerifierInfo, read_config
 
 ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # float32 weights + grads + AdamW's two moments
 TOKEN_ROW_BYTES = 8 + 8  # input_ids + loss_mask, int64, per token (extract's Arrow rows)
 HS_TOKEN_IDS_BYTES = 8  # token_ids int64 beside every hs_{i}.safetensors' hidden_states
-FREE_BYTES_ENV = "EAGLE3PIPE_FREE_BYTES"  # what-if (and tests): the free disk to plan against
 
 
 @dataclass
@@ -131,54 +118,3 @@ def engine_estimate(name: str, v: VllmParams, f: Figures, tokens: int, disk: int
                       f" + KV cache up to vllm.gpu_memory_utilization {v.gpu_memory_utilization}"
                       " of the device"))
     return e
-
-
-def disk_problem(bytes_needed: int, path: str | Path, key: str) -> Problem | None:
-    """The problem when `bytes_needed` exceed the free disk where `path` (or its nearest
-    existing parent) lives; None when it fits. $EAGLE3PIPE_FREE_BYTES stands in for the measured
-    free space."""
-    where, free = free_bytes(path)
-    if os.environ.get(FREE_BYTES_ENV):
-        free = int(os.environ[FREE_BYTES_ENV])
-    if bytes_needed <= free:
-        return None
-    return Problem(str(path), None, key, f"needs {human(bytes_needed)} but {where} has "
-                   f"{human(free)} free", f"free disk there, put {path} on a larger disk, or "
-                   f"lower {key}")
-
-
-def line(e: Estimate, gpu: bool) -> str:
-    return (f"estimate ({'GPU' if gpu else 'CPU'}): {e.engine}, {e.processes} process(es), "
-            f"tokens {e.tokens if e.tokens is not None else '-'}, disk {human(e.disk_bytes)}, "
-            f"memory/device {human(e.device_bytes)}, host {human(e.host_bytes)}")
-
-
-def check(stage: str, estimate: Estimator, params_file: str | os.PathLike,
-          out: Path | None) -> None:
-    """The runner's step before `run`: the stage's estimate at the start of its log, and a
-    refusal (before any compute) when its output would not fit on the free disk where it is
-    written. Like for_validation, it reads the whole params file; it changes no output.
-    Nothing to estimate from before the verifier stage built the embedded verifier, nor from a
-    verifier config on disk that the draft params do not fit: the verifier stage runs before the
-    configs stage renders that file for the params, and each stage's own checks refuse real
-    misfits."""
-    params = P.load(params_file)
-    log = logging.getLogger(f"eagle3pipe.{stage}")
-    try:
-        cfg = find_config(params.verifier.path)
-    except VerifierConfigError:
-        return
-    try:
-        f = figures(params, cfg, cuda_available())
-    except Error as err:
-        why = (f"{err.problems[0].key}: {err.problems[0].message}" if err.problems
-               else (str(err).splitlines() or [type(err).__name__])[0])
-        log.info("estimate: skipped (%s does not fit the draft params yet: %s)", cfg, why)
-        return
-    e = estimate(params, f)
-    for text in [line(e, f.gpu)] + [f"estimate: {n}" for n in e.notes]:
-        log.info("%s", text)
-    problem = disk_problem(e.disk_bytes, out, e.sized_by or stage) \
-        if out is not None and e.disk_bytes else None
-    if problem:
-        raise Error(problems=[problem])

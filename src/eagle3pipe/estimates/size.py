@@ -1,6 +1,6 @@
 """The verifier's size before anything is loaded: parameters and bytes in the engine, from the
 safetensors headers beside its config.json, else estimated from the config's shapes (dense or
-MoE MLPs, GQA or MLA attention), and the quantization it declares."""
+MoE MLPs, GQA or MLA attention), and the quantization it declares. Read by the estimates only."""
 from __future__ import annotations
 
 import math

@@ -37,6 +37,10 @@ ARCHS = {
                                       draft_vocab_size=512, head_dim=16)),
     "eos_list_no_bos_8_layers": ({"bos_token_id": None, "eos_token_id": [3, 7],
                                   "num_hidden_layers": 8}, dict(aux_layer_ids=[2, 4, 5])),
+    # EAGLE-3.1's switches (each alone, the exclusive pair's either side) and the Qwen3 layer
+    "norm_before_fc_norm_output": ({}, dict(norm_before_fc=True, norm_output=True)),
+    "fc_norm_qwen3": ({}, dict(fc_norm=True, draft_arch="qwen3", dtype="bfloat16")),
+    "qwen3_norm_output": ({}, dict(norm_output=True, draft_arch="qwen3")),
 }
 LAYOUT_FILES = {"draft_config": "draft_config.json", "speculators": "speculators/config.json",
                 "vllm": "vllm/config.json"}

@@ -62,6 +62,9 @@ def test_invalidation_table_rows():
     for key in ("vllm.tensor_parallel_size", "vllm.dtype", "vllm.gpu_memory_utilization"):
         assert t[key] == ["configs", "dataset", "vocab", "extract", "train", "export", "smoke"], key
     assert t["train.nproc_per_node"] == ["train", "export", "smoke"]
+    # the EAGLE-3.1 switches and the layer type: configs, then what reads the rendered configs
+    for key in ("draft.norm_before_fc", "draft.fc_norm", "draft.norm_output", "draft.draft_arch"):
+        assert t[key] == ["configs", "train", "export", "smoke"], key
     assert "configs" not in t["verifier.embedded.train_steps"]
     assert "configs" in t["verifier.embedded.hidden_size"]
 

@@ -54,6 +54,8 @@ CASES = [
           "exactly 3"),
     _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2, 2]", "draft.aux_layer_ids", "duplicated"),
     _case("  aux_layer_ids:", "  aux_layer_ids: [3, 1, 2]", "draft.aux_layer_ids", "ascending"),
+    _case("  draft_arch:", "  draft_arch: mistral", "draft.draft_arch", "llama"),
+    _case("  norm_output:", "  norm_output: 1", "draft.norm_output", "true or false"),
     _case("  aux_layer_ids:", "  aux_layer_ids: [1, 2]", "draft.aux_layer_ids", "exactly 3"),
     _case("  aux_layer_ids:", "  aux_layer_ids: [1, two, 3]", "draft.aux_layer_ids[1]",
           "integer"),
@@ -166,6 +168,16 @@ def test_malformed_value(tmp_path, verifier_json, needle, new, key, msg):
     rc, err, out = run_render(tmp_path, text)
     refused(rc, err, out, f"params.yaml:{line}: {key}:")
     assert re.search(msg, err), err
+
+
+def test_exclusive_norm_switches_refused(tmp_path, verifier_json):
+    """norm_before_fc and fc_norm together: one RMSNorm over the concatenated aux states and one
+    per state (speculators' Eagle3SpeculatorConfig refuses the pair); named at fc_norm."""
+    text, _ = replace_line(DEFAULT, "  norm_before_fc:", "  norm_before_fc: true")
+    text, line = replace_line(text, "  fc_norm:", "  fc_norm: true")
+    rc, err, out = run_render(tmp_path, text)
+    refused(rc, err, out, f"params.yaml:{line}: draft.fc_norm:")
+    assert "set one of draft.norm_before_fc and draft.fc_norm to false" in err, err
 
 
 def test_missing_key_names_section_line(tmp_path, verifier_json):
@@ -340,6 +352,9 @@ PARAMS_OTHER = [
      "keys`", "test_section_not_mapping"),
     ("`head_dim: 127` and `device: tpu` together", "`2 problem(s) in params:`, then each",
      "test_all_problems_listed_at_once"),
+    ("`norm_before_fc: true` and `fc_norm: true` together", "`FILE:LINE: draft.fc_norm: true "
+     "together with draft.norm_before_fc: ...` (LINE: fc_norm's)",
+     "test_exclusive_norm_switches_refused"),
 ]
 VERIFIER_CONFIG_OTHER = [
     ("`{\"hidden_size\": 256}` only", "`FILE: ... num_hidden_layers ...` (missing fields)",

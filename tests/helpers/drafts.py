@@ -26,7 +26,8 @@ from eagle3pipe.verifier.handle import VerifierInfo
 # Micro draft for the micro verifier of conftest.py (hidden 64, 4 layers, vocab 512).
 MICRO_DRAFT = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                    intermediate_size=128, aux_layer_ids=[1, 2, 3], draft_vocab_size=256,
-                   norm_before_residual=True, rope_theta=10000.0, rope_scaling=None,
+                   norm_before_residual=True, norm_before_fc=False, fc_norm=False,
+                   norm_output=False, draft_arch="llama", rope_theta=10000.0, rope_scaling=None,
                    rms_norm_eps=1e-6, max_position_embeddings=1024, hidden_act="silu",
                    dtype="float32", num_speculative_tokens=3)
 

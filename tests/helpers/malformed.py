@@ -211,7 +211,7 @@ CORRUPT = [
     ("config_an_array", "vllm", "bfloat16", _file(lambda b: b"[" + b + b"]", "config.json"),
      "{cfg}: expected a JSON object, got a JSON array"),
     ("config_nan_eps", "vllm", "bfloat16", _config(rms_norm_eps=NAN),
-     "{cfg}:32: NaN is not JSON"),
+     "{cfg}:35: NaN is not JSON"),
     ("config_without_head_dim", "vllm", "bfloat16", _config(head_dim=None),
      "{cfg}: missing keys ['head_dim']"),
     ("config_head_dim_a_string", "speculators", "bfloat16", _layer_config(head_dim="128"),
@@ -220,6 +220,16 @@ CORRUPT = [
      "{cfg}: head_dim = 0 must be a positive integer"),
     ("config_head_dim_64_params_128", "vllm", "bfloat16", _config(head_dim=64),
      "{cfg}: head_dim = 64 but {params} gives 128"),
+    # EAGLE-3.1's switches and the layer type: absent (vLLM would read false / Llama) or
+    # contradicting params, named like head_dim
+    ("config_without_norm_output", "vllm", "bfloat16", _config(norm_output=None),
+     "{cfg}: missing keys ['norm_output']"),
+    ("config_without_fc_norm_speculators", "speculators", "bfloat16", _config(fc_norm=None),
+     "{cfg}: missing keys ['fc_norm']"),
+    ("config_norm_before_fc_params_false", "vllm", "bfloat16", _config(norm_before_fc=True),
+     "{cfg}: norm_before_fc = True but {params} gives False"),
+    ("config_qwen3_params_llama", "vllm", "bfloat16", _config(model_type="qwen3"),
+     "{cfg}: draft_arch = 'qwen3' but {params} gives 'llama'"),
     ("checkpoint_dir_missing", "vllm", "bfloat16", _no_dir, "{ck}: not a directory"),
 ]
 

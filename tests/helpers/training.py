@@ -19,12 +19,13 @@ from eagle3pipe.verifier.handle import VerifierInfo
 # wrong shapes everywhere.
 MICRO_DRAFT = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    intermediate_size=96, aux_layer_ids=[1, 2, 3], draft_vocab_size=128,
-                   norm_before_residual=True, rope_theta=10000.0, rope_scaling=None,
+                   norm_before_residual=True, norm_before_fc=False, fc_norm=False,
+                   norm_output=False, draft_arch="llama", rope_theta=10000.0, rope_scaling=None,
                    rms_norm_eps=1e-6, max_position_embeddings=1024, hidden_act="silu",
                    dtype="bfloat16", num_speculative_tokens=3)
 MICRO_TRAIN = dict(seed=0, threads=2, device="cpu", nproc_per_node=1, epochs=2, batch_tokens=512,
                    learning_rate=3e-3, weight_decay=0.0, warmup_steps=2, ttt_steps=3, loss="kl_div",
-                   eval_every=4, nnodes=1, rdzv_endpoint=None)
+                   eval_every=4, nnodes=1, rdzv_endpoint=None, init_from=None)
 
 
 def draft_arch(verifier: Path, **overrides) -> archmod.DraftArch:

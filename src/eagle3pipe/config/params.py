@@ -232,6 +232,18 @@ def load(path: str | os.PathLike = "params.yaml") -> Params:
     return params
 
 
+# the folder train.init_from names a draft in: a dependency of the train stage (dvc.yaml), so a
+# draft copied or `dvc add`ed there is content-addressed like every other input
+INIT_DIR = "drafts"
+
+
+def inside_init_dir(path: str) -> bool:
+    """True when `path` is a relative path to a directory below INIT_DIR (no `..`)."""
+    parts = Path(path).parts
+    return (not Path(path).is_absolute() and len(parts) >= 2 and parts[0] == INIT_DIR
+            and ".." not in parts)
+
+
 def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
     """Checks that need several keys of params.yaml alone (verifier checks live in verifier.py)."""
     d = p.draft
@@ -241,6 +253,13 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 f"{d.num_key_value_heads} does not divide num_attention_heads "
                                 f"{d.num_attention_heads} (grouped-query attention)",
                                 "pick a divisor of draft.num_attention_heads"))
+    if d.norm_before_fc and d.fc_norm:
+        problems.append(Problem(file, lines.get("draft.fc_norm"), "draft.fc_norm",
+                                "true together with draft.norm_before_fc: one RMSNorm over the "
+                                "concatenated aux states and one per aux state are exclusive "
+                                "(speculators' Eagle3SpeculatorConfig refuses the pair)",
+                                "set one of draft.norm_before_fc and draft.fc_norm to false "
+                                "(EAGLE-3.1 uses fc_norm; speculators' CLI norm_before_fc)"))
     ids = d.aux_layer_ids
     if len(set(ids)) != len(ids):
         problems.append(Problem(file, lines.get("draft.aux_layer_ids"), "draft.aux_layer_ids",
@@ -289,6 +308,14 @@ def _cross_check(p: Params, file: str, lines: dict, problems: list[Problem]) -> 
                                 f"eval split (dataset.eval_fraction {p.dataset.eval_fraction})",
                                 "use at least 2, or dataset.eval_fraction: 0"))
     t = p.train
+    if t.init_from is not None and not inside_init_dir(t.init_from):
+        problems.append(Problem(file, lines.get("train.init_from"), "train.init_from",
+                                f"{t.init_from!r} is not a directory under {INIT_DIR}/"
+                                f", the folder the train stage depends on (dvc.yaml), so "
+                                "editing or replacing it would rerun nothing",
+                                f"copy the draft export into {INIT_DIR}/<name> (or "
+                                f"`dvc add {INIT_DIR}/<name>`) and set "
+                                f"train.init_from: {INIT_DIR}/<name>"))
     if t.nnodes > 1 and not _endpoint(t.rdzv_endpoint):
         unset = t.rdzv_endpoint is None  # then the key just set is nnodes
         key = "train.nnodes" if unset else "train.rdzv_endpoint"

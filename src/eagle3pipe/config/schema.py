@@ -55,6 +55,14 @@ class DraftParams:
                                     length=3)
     draft_vocab_size: int = spec("draft (lm_head) vocabulary size", min=1)
     norm_before_residual: bool = spec("apply hidden_norm before taking the residual")
+    norm_before_fc: bool = spec("one RMSNorm over the 3 concatenated aux states before fc "
+                                "(EAGLE-3.1; exclusive with fc_norm)")
+    fc_norm: bool = spec("one RMSNorm per aux state before fc (the EAGLE-3.1 paper's form; "
+                         "exclusive with norm_before_fc)")
+    norm_output: bool = spec("feed the post-norm hidden state to the next speculative step "
+                             "(EAGLE-3.1), not the pre-norm residual sum")
+    draft_arch: str = spec("the draft's decoder layer (speculators' --draft-arch; vLLM's "
+                           "llama_eagle3.py / qwen3_eagle3.py)", choices=("llama", "qwen3"))
     rope_theta: float = spec("draft rope base (published drafts differ from their verifier)",
                              min=1.0)
     rope_scaling: dict | None = spec("rope scaling dict, or null")
@@ -145,6 +153,9 @@ class TrainParams:
                      "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "
                      "lk_hybrid", choices=LOSSES)
     eval_every: int = spec("steps between eval-loss logs", min=1)
+    init_from: str | None = spec("an exported draft (either format) under drafts/ to start "
+                                 "from, e.g. drafts/previous (copied or `dvc add`ed there); "
+                                 "null: a seeded random init")
     nnodes: int = spec("training nodes, one torchrun agent each (1: standalone on this one; "
                        "more: `eagle3pipe launch` prints the other nodes' command)", min=1,
                        default=1)

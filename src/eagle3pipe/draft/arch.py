@@ -12,6 +12,11 @@ Shapes of an EAGLE-3 draft (1 decoder layer whose attention sees [embedding ; hi
   <layer>.{input_layernorm, hidden_norm, post_attention_layernorm}.weight [H]
   norm.weight [H]; lm_head.weight [draft_vocab, H]; d2t int64 [draft_vocab]; t2d bool [vocab]
   embed_tokens.weight [vocab, H]  (optional: vLLM shares the verifier's when H matches)
+and, by the EAGLE-3.1 switches and the layer type (speculators' Eagle3DraftModel.__init__ and
+vLLM's llama_eagle3.py / qwen3_eagle3.py Eagle3*Model.__init__ create exactly these):
+  input_norm.weight [3 * H_target]            (norm_before_fc)
+  fc_norm.{0,1,2}.weight [H_target]           (fc_norm)
+  <layer>.self_attn.{q_norm, k_norm}.weight [head_dim]   (draft_arch qwen3)
 where <layer> is `layers.0` in speculators' layout and `midlayer` in the flat vLLM layout.
 """
 from __future__ import annotations
@@ -59,6 +64,10 @@ class DraftArch:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
     norm_before_residual: bool
+    norm_before_fc: bool
+    fc_norm: bool
+    norm_output: bool
+    draft_arch: str
     rope_theta: float
     rope_scaling: dict | None
     rms_norm_eps: float
@@ -154,6 +163,8 @@ def derive(draft: DraftParams, verifier: VerifierInfo, *, params_file: str = "pa
         draft_vocab_size=draft.draft_vocab_size,
         aux_layer_ids=tuple(ids),
         norm_before_residual=draft.norm_before_residual,
+        norm_before_fc=draft.norm_before_fc, fc_norm=draft.fc_norm,
+        norm_output=draft.norm_output, draft_arch=draft.draft_arch,
         rope_theta=float(draft.rope_theta),
         rope_scaling=draft.rope_scaling,
         rms_norm_eps=float(draft.rms_norm_eps),
@@ -242,6 +253,13 @@ def contract(arch: DraftArch, layout: str, *, embed_tokens: bool = False) -> dic
         "d2t": TensorSpec((arch.draft_vocab_size,), "I64"),
         "t2d": TensorSpec((arch.vocab_size,), "BOOL"),
     }
+    if arch.norm_before_fc:
+        out["input_norm.weight"] = TensorSpec((NUM_AUX * Ht,), w)
+    if arch.fc_norm:
+        out.update({f"fc_norm.{i}.weight": TensorSpec((Ht,), w) for i in range(NUM_AUX)})
+    if arch.draft_arch == "qwen3":
+        out[f"{p}.self_attn.q_norm.weight"] = TensorSpec((arch.head_dim,), w)
+        out[f"{p}.self_attn.k_norm.weight"] = TensorSpec((arch.head_dim,), w)
     if embed_tokens:
         out["embed_tokens.weight"] = TensorSpec((arch.vocab_size, H), w)
     return dict(sorted(out.items()))

@@ -29,7 +29,12 @@ from eagle3pipe.verifier.handle import EMBEDDED_VERIFIER_DIR, VerifierInfo, read
 
 FILES = ("draft_config.json", "speculators/config.json", "vllm/config.json", "capture.json",
          "verifier_config.json")
-FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# draft.draft_arch -> the flat config's architecture: vLLM's registry names the Llama draft
+# LlamaForCausalLMEagle3 (the published references' name) and the Qwen3 one Eagle3Qwen3ForCausalLM
+# (vllm/model_executor/models/registry.py; EAGLEConfig keeps a name that starts or ends with
+# "Eagle3", vllm/transformers_utils/configs/eagle.py)
+FLAT_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
+FLAT_ARCHITECTURE = FLAT_ARCHITECTURES["llama"]
 
 # Fields of the flat config that vLLM (0.32, llama_eagle3.py + LlamaConfig) reads, and vLLM's
 # value when a field is absent (used to compare against published configs that omit it).
@@ -44,6 +49,9 @@ VLLM_READS = {
     "eagle_config.use_aux_hidden_state": True,
     # vLLM's default; speculators' path differs: never rely on it
     "norm_before_residual": False,  # check: ignore (vLLM's fallback, not the draft's value)
+    # EAGLE-3.1's switches: vLLM reads each with a default of false (llama_eagle3.py), the
+    # speculators CLI turns two on for EAGLE-3 drafts: never rely on either
+    "norm_before_fc": False, "fc_norm": False, "norm_output": False,  # check: ignore (vLLM's)
     "target_hidden_size": "=hidden_size",
 }
 
@@ -82,8 +90,8 @@ def draft_config(arch: DraftArch) -> dict:
 def flat_config(arch: DraftArch) -> dict:
     """vLLM/SGLang flat EAGLE-3 config (the published reference drafts' format)."""
     return {
-        "architectures": [FLAT_ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [FLAT_ARCHITECTURES[arch.draft_arch]],
+        "model_type": arch.draft_arch,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": arch.bos_token_id,
@@ -101,6 +109,9 @@ def flat_config(arch: DraftArch) -> dict:
         "max_position_embeddings": arch.max_position_embeddings,
         "mlp_bias": False,
         "norm_before_residual": arch.norm_before_residual,
+        "norm_before_fc": arch.norm_before_fc,
+        "fc_norm": arch.fc_norm,
+        "norm_output": arch.norm_output,
         "num_attention_heads": arch.num_attention_heads,
         "num_hidden_layers": arch.num_hidden_layers,
         "num_key_value_heads": arch.num_key_value_heads,
@@ -116,10 +127,12 @@ def flat_config(arch: DraftArch) -> dict:
 
 
 def transformer_layer_config(arch: DraftArch, attn_impl: str | None = None):
-    """The draft decoder layer as a transformers LlamaConfig, head_dim explicit."""
-    from transformers import LlamaConfig
+    """The draft decoder layer as a transformers LlamaConfig or Qwen3Config (draft.draft_arch:
+    speculators' DRAFT_ARCH_CONFIGS, speculators/train/cli.py), head_dim explicit."""
+    from transformers import LlamaConfig, Qwen3Config
 
-    cfg = LlamaConfig(
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[arch.draft_arch]
+    cfg = config_class(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
         num_attention_heads=arch.num_attention_heads,
@@ -129,7 +142,7 @@ def transformer_layer_config(arch: DraftArch, attn_impl: str | None = None):
         bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_id,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
     if cfg.head_dim != arch.head_dim:  # transformers must never derive it
-        raise AssertionError(f"LlamaConfig head_dim {cfg.head_dim} != {arch.head_dim}")
+        raise AssertionError(f"{config_class.__name__} head_dim {cfg.head_dim} != {arch.head_dim}")
     if attn_impl is not None:
         cfg._attn_implementation = attn_impl
     return cfg
@@ -148,6 +161,7 @@ def eagle3_config(arch: DraftArch, *, num_speculative_tokens: int, verifier,
         transformer_layer_config=transformer_layer_config(arch, attn_impl),
         draft_vocab_size=arch.draft_vocab_size,
         norm_before_residual=arch.norm_before_residual,
+        norm_before_fc=arch.norm_before_fc, fc_norm=arch.fc_norm, norm_output=arch.norm_output,
         target_hidden_size=arch.target_hidden_size,
         eagle_aux_hidden_state_layer_ids=list(arch.aux_layer_ids),
         speculators_config=SpeculatorsConfig(
@@ -255,9 +269,12 @@ _LAYER = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim
 KEYS = {
     "draft_config": {f: f for f in DRAFT_CONFIG_KEYS},
     "vllm": {**{f: f for f in ARCH_FIELDS if f != "verifier_num_layers"},
-             "aux_layer_ids": "eagle_config.eagle_aux_hidden_state_layer_ids"},
+             "aux_layer_ids": "eagle_config.eagle_aux_hidden_state_layer_ids",
+             "draft_arch": "model_type"},  # check: ignore (a key name, not a value)
     "speculators": {**{f: f for f in ("target_hidden_size", "draft_vocab_size",
-                                      "norm_before_residual", "dtype")},
+                                      "norm_before_residual", "norm_before_fc", "fc_norm",
+                                      "norm_output", "dtype")},
+                    "draft_arch": _TL + "model_type",
                     **{f: _TL + f for f in _LAYER},
                     "aux_layer_ids": "eagle_aux_hidden_state_layer_ids",
                     "rope_theta": _TL + "rope_parameters.rope_theta",
@@ -307,6 +324,9 @@ def _parse(layout: str, cfg: dict, source: str, given: dict, fix: str) -> DraftA
             values[field] = v
     unknown = sorted(set(cfg) - set(DRAFT_CONFIG_KEYS) - {"dtype"}) \
         if layout == "draft_config" else []
+    if values.get("draft_arch", "llama") not in FLAT_ARCHITECTURES:
+        bad.append(f"{KEYS[layout]['draft_arch']} is {values['draft_arch']!r}, not one of "
+                   f"{sorted(FLAT_ARCHITECTURES)}")
     if "dtype" in values and values["dtype"] not in SAFETENSORS_DTYPE:
         bad.append(f"dtype is {values['dtype']!r}, not one of {sorted(SAFETENSORS_DTYPE)}")
     if missing or unknown or bad:
@@ -361,7 +381,8 @@ def layout_of(cfg: dict, source: str, fix: str = REGENERATE) -> str:
     """'speculators' or 'vllm' (the two layouts a draft checkpoint's config.json comes in)."""
     if "speculators_model_type" in cfg:
         return "speculators"
-    if FLAT_ARCHITECTURE in (cfg.get("architectures") or []) or "eagle_config" in cfg:
+    if set(FLAT_ARCHITECTURES.values()) & set(cfg.get("architectures") or []) \
+            or "eagle_config" in cfg:
         return "vllm"
     raise ConfigError(f"{source}: neither speculators' nested EAGLE-3 format "
                       "(speculators_model_type) nor the flat vLLM one (architectures: "

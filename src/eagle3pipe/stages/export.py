@@ -126,9 +126,11 @@ def speculators_roundtrip(flat_dir: str | Path, speculators_dir: str | Path,
                           verifier_dir: str | Path, work_dir: str | Path) -> list[str]:
     """Converts the flat export with speculators' own converter (Eagle3Converter, what
     `speculators convert --algorithm eagle3` runs), passing the aux ids and
-    norm_before_residual explicitly (the converter drops them otherwise), and compares the
-    result's tensors with the speculators export bit for bit and its config field by field
-    (but CONVERTER_REWRITES). Returns the differences."""
+    norm_before_residual and the EAGLE-3.1 switches explicitly (the converter drops or defaults
+    them otherwise), and compares the result's tensors with the speculators export bit for bit
+    and its config field by field (but CONVERTER_REWRITES). The converter builds a LlamaConfig
+    layer whatever the flat config says, so a Qwen3 draft comes back as draft_arch llama: that
+    difference is reported too. Returns the differences."""
     from safetensors.torch import load_file
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
@@ -138,6 +140,8 @@ def speculators_roundtrip(flat_dir: str | Path, speculators_dir: str | Path,
     Eagle3Converter().convert(input_path=Path(flat_dir), output_path=Path(work_dir),
                               base_model=str(verifier_dir), validate=True,
                               norm_before_residual=flat.norm_before_residual,
+                              norm_before_fc=flat.norm_before_fc, fc_norm=flat.fc_norm,
+                              norm_output=flat.norm_output,
                               eagle_aux_hidden_state_layer_ids=aux)
     ours = load_file(str(Path(speculators_dir) / "model.safetensors"))
     theirs = load_file(str(Path(work_dir) / "model.safetensors"))

@@ -40,6 +40,7 @@ from eagle3pipe.config.view import RUN_ONLY, StageView
 from eagle3pipe.data import batches, online, store
 from eagle3pipe.data.batches import Batches, TrainInputError, open_split
 from eagle3pipe.draft import arch as archmod
+from eagle3pipe.draft import init_from
 from eagle3pipe.draft.formats import eagle3_config, read_draft_config
 from eagle3pipe.draft.vocab_map import load as vocab_load
 from eagle3pipe.runtime.atomic import atomic_dir
@@ -117,6 +118,19 @@ def build_model(arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch.Te
             raise TrainInputError(f"{verifier_dir}: {name} was not loaded from the verifier "
                                   "weights (still NaN); check the verifier checkpoint")
     return model.float()
+
+
+def start_from(model, arch: archmod.DraftArch, export_dir: str | None) -> dict | None:
+    """train.init_from: the export's trained tensors into the fresh model (draft.init_from);
+    returns what metrics record of it, or None for the random init."""
+    if export_dir is None:
+        return None
+    tensors, info = init_from.load(export_dir, arch)
+    info["vocab_map_equal"] = init_from.apply(model, tensors)
+    log.info("train: starting from %s (%s layout, sha256 %s)%s", info["path"], info["layout"],
+             info["sha256"][:16], "" if info["vocab_map_equal"] else
+             "; its vocab map differs from this run's: keeping this run's d2t/t2d and lm_head")
+    return info
 
 
 def contract_state_dict(model, arch: archmod.DraftArch) -> dict[str, torch.Tensor]:
@@ -228,6 +242,7 @@ class TrainState:
     sched: torch.optim.lr_scheduler.LambdaLR
     limit: int                   # steps fit() runs: all of them, or max_steps
     step: int = 0
+    init: dict | None = None     # train.init_from: what the draft started from (metrics)
     after_step: Any = lambda idx: None  # on demand: the producer's release (data.online)
 
     def run_args(self) -> dict[str, Any]:
@@ -278,7 +293,9 @@ def build_state(p, arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch
 
     torch.manual_seed(p.seed)
     core = build_model(arch, verifier_dir, d2t, t2d, speculative_tokens=p.ttt_steps,
-                       attn_impl=backend.attn_impl).to(d.device)
+                       attn_impl=backend.attn_impl)
+    init = start_from(core, arch, p.init_from)
+    core = core.to(d.device)
     loss_config = resolve_loss_config(p.loss, backend.loss_impl)
     model = wrap_model(core, d)
     lengths = train_data.lengths
@@ -296,7 +313,7 @@ def build_state(p, arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch
     return TrainState(p, arch, d, backend, core, model, loss_config, train_data, eval_data,
                       [b[d.rank::d.world][:steps_per_epoch] for b in packs],
                       eval_packs[d.rank::d.world], trainable, opt, sched,
-                      limit=total if max_steps is None else min(total, max_steps))
+                      limit=total if max_steps is None else min(total, max_steps), init=init)
 
 
 def step(s: TrainState, idx: list[int]) -> tuple[float, float]:
@@ -361,6 +378,7 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
     with lost_peers(s.d):  # a dead node's peers: one message, nothing published
         with atomic_dir(metrics_dir) if s.d.main else nullcontext(None) as live_dir:
             metrics = Metrics(live_dir)
+            metrics.init_from(s.init)
             last = run_epochs(s, metrics, progress=progress)
             metrics.end()
         if s.d.main:

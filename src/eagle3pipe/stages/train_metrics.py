@@ -25,6 +25,12 @@ class Metrics:
     def eval(self, step: int, ev: dict[str, float]) -> None:
         self._log(step, {f"eval/{k}": v for k, v in ev.items()})
 
+    def init_from(self, info: dict | None) -> None:
+        """What the draft started from (train.init_from: path, layout, sha256, whether its vocab
+        map was this run's), or null for a seeded random init, in metrics.json."""
+        if self.live is not None:
+            self.live.summary["init_from"] = info
+
     def end(self) -> None:
         if self.live is not None:
             self.live.end()

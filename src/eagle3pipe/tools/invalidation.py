@@ -42,6 +42,10 @@ def _mutated(value):
     return f"{value}-changed"
 
 
+# draft switches params refuses together (config.params._cross_check)
+EXCLUSIVE = {"norm_before_fc": "fc_norm", "fc_norm": "norm_before_fc"}
+
+
 def changed_configs(params: Params, key: str, verifier_config: Path) -> set[str]:
     """Which configs/ files change when `key` (a draft.* or verifier.path key) changes."""
     base = formats.render_files(params.draft, params.verifier.path, verifier_config)
@@ -61,9 +65,14 @@ def changed_configs(params: Params, key: str, verifier_config: Path) -> set[str]
             new = "float16" if value != "float16" else "bfloat16"
         elif leaf == "num_attention_heads":
             new = value * 2
+        elif leaf == "draft_arch":
+            new = "qwen3" if value == "llama" else "llama"
         else:
             new = _mutated(value)
-        draft = dataclasses.replace(params.draft, **{leaf: new})
+        change = {leaf: new}
+        if leaf in EXCLUSIVE and new:  # turning one on turns its exclusive partner off
+            change[EXCLUSIVE[leaf]] = False
+        draft = dataclasses.replace(params.draft, **change)
         other = formats.render_files(draft, params.verifier.path, verifier_config)
     else:  # verifier.path: only the rendered verifier name_or_path
         other = formats.render_files(params.draft, "/elsewhere", verifier_config)

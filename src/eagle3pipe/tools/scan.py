@@ -24,6 +24,7 @@ SCAN_KEYS = {
     "draft_vocab_size": (), "target_hidden_size": (), "max_position_embeddings": (),
     "verifier_num_layers": (), "aux_layer_ids": ("eagle_aux_hidden_state_layer_ids",),
     "norm_before_residual": (), "norm_before_fc": (), "fc_norm": (), "norm_output": (),
+    "draft_arch": (),
     "use_aux_hidden_state": (), "rope_theta": (), "rope_type": (), "rope_scaling": (),
     "rms_norm_eps": (), "hidden_act": (), "tie_word_embeddings": (), "attention_bias": (),
     "mlp_bias": (), "bos_token_id": (), "eos_token_id": (),

@@ -152,6 +152,16 @@ def check_draft(settings: dict, model_dir: str | Path, draft_dir: str | Path, *,
     """Loads `draft_dir` into vLLM's EAGLE-3 draft class engine-less and reports what vLLM would
     silently get wrong. `settings`: the run's engine settings (engine.settings_of); `model_dir`
     is the verifier checkpoint (its config is read, not its weights)."""
+    return load_draft(settings, model_dir, draft_dir,
+                      num_speculative_tokens=num_speculative_tokens)[0]
+
+
+def load_draft(settings: dict, model_dir: str | Path, draft_dir: str | Path, *,
+               num_speculative_tokens: int) -> tuple[LoadReport, "_Load | None"]:
+    """check_draft's load and report, and what was loaded: `load.model` is vLLM's draft model
+    with the export's weights (what no tensor filled still holds NaN), `load.vllm_config` its
+    VllmConfig; run it inside single_process_group(load.vllm_config). `load` is None when vLLM
+    raised (the report's problem says where). engines/forward_check.py runs the model."""
     t0 = time.perf_counter()
     draft_dir = Path(draft_dir)
     report = LoadReport(draft_dir=str(draft_dir))
@@ -164,12 +174,12 @@ def check_draft(settings: dict, model_dir: str | Path, draft_dir: str | Path, *,
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         report.problems.append(f"{draft_dir}: vLLM failed while {steps[-1]}: {tb}")
         report.seconds = time.perf_counter() - t0
-        return report
+        return report, None
     consumed = _compare_slots(load, report)
     _report_unfilled(load, report)
     _report_unloaded(load, consumed, report)
     report.seconds = time.perf_counter() - t0
-    return report
+    return report, load
 
 
 @dataclass

@@ -5,6 +5,10 @@ For each format (artifacts/export/vllm, the flat config; artifacts/export/specul
 nested one) it
   1. runs the engine-less load check (vllm_load.check_draft: vLLM's own model class and weight
      loader, every parameter accounted for) -- a missing or trimmed tensor fails here, by name;
+     then the forward check (eagle3pipe.engines.forward_check): vLLM's draft class and
+     speculators' Eagle3DraftModel give the same logits at every speculative step on seeded
+     inputs -- a switch (norm_before_fc, fc_norm, norm_output, the layer type) that one of them
+     ignores or reads otherwise fails here, with the step and the figure;
   2. generates with `speculative_config={"method": "eagle3", "model": <export>, ...}` and
      asserts the output token ids equal the non-speculative greedy output (lossless);
   3. reads vLLM's spec-decode counters: mean acceptance length = 1 + accepted / drafts, and the
@@ -48,6 +52,7 @@ from eagle3pipe.stages.smoke_inputs import (
     SWEPT,
     Inputs,
     SmokeError,
+    check_forwards,
     check_loads,
     read_inputs,
 )
@@ -260,6 +265,7 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
         if limit:  # the verifier stage's preflight reported it up front
             raise SmokeError(f"{limit.file}: {limit.key}: {limit.message} (the exports passed "
                              "vLLM's engine-less load check)", fix=limit.fix)
+        forwards = check_forwards(s, inp)
         m = run_engines(s, inp, eval_prompts, progress=progress)
     main = {name: r for (name, k), r in m.runs.items() if k == inp.k}
     sources = [p.source for p in inp.prompts]
@@ -272,6 +278,7 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
     failures += [gap_failure] if gap_failure else []
     metrics = metrics_of(s, inp, m.reference, results, passed=not failures, sweep=sweep,
                          domains=domains, agreed=agreed)
+    metrics["forward_check"] = forwards
     log.info("engine starts: %s", ", ".join(
         f"{n} {r.start_s:.1f} s" for n, r in [(REFERENCE, m.reference), *main.items()]))
     if failures:

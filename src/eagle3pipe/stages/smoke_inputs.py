@@ -21,6 +21,7 @@ from typing import Any
 
 from eagle3pipe.data import prompts
 from eagle3pipe.data.prompts import STDLIB_SOURCE, Prompt
+from eagle3pipe.engines import forward_check
 from eagle3pipe.engines import load_check as vllm_load
 from eagle3pipe.errors import Error, ParamsAt, Problem
 from eagle3pipe.runtime.jsonio import read_json_object
@@ -166,3 +167,34 @@ def check_loads(s, inp: Inputs) -> None:
                          + "\n".join(f"  - {p}" for p in problems))
 
 
+# what the forward check runs on: seeded aux states and tokens of this length (the check is of
+# the two implementations, not of the data: any inputs that reach every switch will do)
+FORWARD_CHECK_TOKENS = 16
+
+
+def check_forwards(s, inp: Inputs) -> dict[str, dict]:
+    """Training equals serving for every format: vLLM's draft class loaded from the export and
+    speculators' Eagle3DraftModel built from the speculators config give the same logits at
+    every speculative step (eagle3pipe.engines.forward_check), before any engine starts; a
+    switch one side ignores or misreads (norm_before_fc, fc_norm, norm_output, the layer type)
+    raises SmokeError naming the step and the figure. Returns per format what metrics record."""
+    hidden, ids = forward_check.random_inputs(inp.model_dir, length=FORWARD_CHECK_TOKENS,
+                                              seed=s.seed)
+    out, failed = {}, []
+    for fmt, d in inp.exports.items():
+        rep = forward_check.compare(inp.settings, inp.model_dir, d, hidden_states=hidden,
+                                    input_ids=ids, steps=inp.k)
+        log.info("%s: training-vs-serving forward check %s in %.1f s", fmt,
+                 "ok" if rep.ok else "FAILED", rep.seconds)
+        out[fmt] = {"ok": rep.ok, "tolerance": rep.tolerance,
+                    "max_rel_per_step": [float(f"{d.max_rel:.3g}") for d in rep.steps]}
+        if not rep.ok:
+            failed.append(rep.summary())
+    if failed:
+        raise SmokeError("vLLM and speculators compute different drafts from the same export "
+                         "(a switch one of them ignores or reads otherwise):\n" + "\n".join(failed),
+                         fix="compare the export's config.json with configs/ and params.yaml "
+                         "(`eagle3pipe check --checkpoint`); if they agree, the installed vLLM "
+                         "or speculators implements a switch differently: pin the versions in "
+                         "requirements.lock or set the switch to false")
+    return out

@@ -183,7 +183,7 @@ def train_variants(states: dict, data, packs: list[list[int]]) -> dict:
     def bare_forward_backward(st, chunk, weight):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss, _ = st.model(**chunk, ttt_steps=st.p.ttt_steps,
-                                  ttt_step_loss_decay=T.TTT_STEP_LOSS_DECAY,
+                                  ttt_step_loss_decay=st.p.ttt_step_loss_decay,
                                   loss_config=st.loss_config)
         (loss * weight).backward()
 

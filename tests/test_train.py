@@ -228,7 +228,8 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
         micro = b.micro(idx)
         assert (len(micro) == 1) == (chunk is None)
         model.zero_grad()
-        loss, counts = trainmod.run_batch(model, micro, ttt_steps=3, loss_config=lc,
+        loss, counts = trainmod.run_batch(model, micro, ttt_steps=3, ttt_step_loss_decay=1.0,
+                                          loss_config=lc,
                                           backend=b.backend, d=distributed.Dist(),
                                           backward=True)
         results.append((loss, counts, model.fc.weight.grad.clone()))

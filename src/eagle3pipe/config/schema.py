@@ -148,6 +148,10 @@ class TrainParams:
     weight_decay: float = spec("AdamW weight decay", min=0.0)
     warmup_steps: int = spec("linear warm-up steps before cosine decay", min=0)
     ttt_steps: int = spec("test-time-training unroll steps", min=1)
+    ttt_step_loss_decay: float = spec("TTT step i's loss is weighted decay**i (speculators' "
+                                      "Trainer default 1.0: every step alike)", min=0.0)
+    grad_clip: float = spec("largest gradient norm per step (speculators' Trainer clips at "
+                            "1.0)", min=0.0)
     loss: str = spec("speculators' training loss by its name in speculators.losses: kl_div "
                      "(its EAGLE-3 default, forward KL to the verifier's distribution), ce "
                      "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "

@@ -64,8 +64,6 @@ from eagle3pipe.verifier.handle import Verifier, VerifierInfo
 
 log = logging.getLogger("eagle3pipe.stages.train")
 
-TTT_STEP_LOSS_DECAY = 1.0         # speculators' default: every TTT step weighted equally
-GRAD_CLIP = 1.0                   # speculators' Trainer clips at 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,8 +176,9 @@ def token_weights(chunks: list[dict[str, torch.Tensor]]) -> list[float]:
     return [x / total for x in n] if total > 0 else [1.0 / len(n)] * len(n)
 
 
-def run_batch(model, chunks: list[dict[str, torch.Tensor]], *, ttt_steps: int, loss_config,
-              backend: Backend, d: Dist, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_batch(model, chunks: list[dict[str, torch.Tensor]], *, ttt_steps: int,
+              ttt_step_loss_decay: float, loss_config, backend: Backend, d: Dist,
+              backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward (and backward) of one packed batch given as micro-batches. Returns the pack's
     loss (token-weighted over micro-batches) and the accuracy count vector
     [full_correct_i, full_total_i, cond_correct_i, cond_total_i for i < ttt_steps]."""
@@ -194,7 +193,7 @@ def run_batch(model, chunks: list[dict[str, torch.Tensor]], *, ttt_steps: int, l
         with nullcontext() if sync else model.no_sync():
             with autocast(backend, d):
                 _, loss, m = model(**chunk, ttt_steps=ttt_steps,
-                                   ttt_step_loss_decay=TTT_STEP_LOSS_DECAY,
+                                   ttt_step_loss_decay=ttt_step_loss_decay,
                                    loss_config=loss_config)
             if backward:
                 (loss * w).backward()
@@ -246,7 +245,8 @@ class TrainState:
     after_step: Any = lambda idx: None  # on demand: the producer's release (data.online)
 
     def run_args(self) -> dict[str, Any]:
-        return dict(ttt_steps=self.p.ttt_steps, loss_config=self.loss_config,
+        return dict(ttt_steps=self.p.ttt_steps, ttt_step_loss_decay=self.p.ttt_step_loss_decay,
+                    loss_config=self.loss_config,
                     backend=self.backend, d=self.d)
 
 
@@ -318,12 +318,12 @@ def build_state(p, arch: archmod.DraftArch, verifier_dir: str | Path, d2t: torch
 
 def step(s: TrainState, idx: list[int]) -> tuple[float, float]:
     """One optimizer step on the packed batch `idx` (the body of speculators'
-    Trainer.train_epoch: zero_grad, forward/backward, clip_grad_norm_ at 1.0, optimizer step,
-    scheduler step), its micro-batches accumulated by run_batch. Returns (the pack's loss
+    Trainer.train_epoch: zero_grad, forward/backward, clip_grad_norm_ at train.grad_clip,
+    optimizer step, scheduler step), its micro-batches accumulated by run_batch. Returns (the pack's loss
     averaged over ranks, the learning rate the step used)."""
     s.opt.zero_grad(set_to_none=True)
     loss, _ = run_batch(s.model, s.train.micro(idx), backward=True, **s.run_args())
-    torch.nn.utils.clip_grad_norm_(s.trainable, GRAD_CLIP)
+    torch.nn.utils.clip_grad_norm_(s.trainable, s.p.grad_clip)
     lr = s.opt.param_groups[0]["lr"]
     s.opt.step()
     s.sched.step()

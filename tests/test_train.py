@@ -22,6 +22,7 @@ from eagle3pipe.runtime import distributed
 from eagle3pipe.draft import formats
 from eagle3pipe.draft import vocab_map
 from eagle3pipe.stages import train as trainmod
+from eagle3pipe.stages import train_model
 from eagle3pipe.verifier.handle import VerifierInfo
 from helpers.training import MICRO_TRAIN, make_inputs
 
@@ -184,7 +185,7 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
 
 
 def test_transformer_layer_config_keeps_explicit_head_dim(inputs):
-    cfg = trainmod.speculator_config(inputs.arch, inputs.verifier, speculative_tokens=3,
+    cfg = train_model.speculator_config(inputs.arch, inputs.verifier, speculative_tokens=3,
                                      attn_impl="sdpa").transformer_layer_config
     assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
     assert cfg._attn_implementation == "sdpa"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3pipe.config.params import INIT_DIR
+from eagle3pipe.config.cross_check import INIT_DIR
 from eagle3pipe.draft import arch as A
 from eagle3pipe.draft import formats
 from eagle3pipe.draft.checkpoint import check_checkpoint

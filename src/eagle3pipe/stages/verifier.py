@@ -24,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+from eagle3pipe.config.cross_check import tp_problem
 from eagle3pipe.config.view import StageView
 from eagle3pipe.errors import Problem
 from eagle3pipe.runtime.atomic import atomic_dir
@@ -89,7 +90,6 @@ def check_draft(draft, info: VerifierInfo, *, params_file: str = "params.yaml",
     """arch.derive's cross-checks of the draft params against a verifier (raises ArchError),
     and the verifier's heads against vllm.tensor_parallel_size `tp` (vLLM shards them over the
     ranks; it would refuse only after loading the weights)."""
-    from eagle3pipe.config.params import tp_problem
     from eagle3pipe.draft import arch
 
     bad = tp_problem(tp, info.num_attention_heads, info.num_key_value_heads, "verifier",

@@ -42,7 +42,7 @@ def _mutated(value):
     return f"{value}-changed"
 
 
-# draft switches params refuses together (config.params._cross_check)
+# draft switches params refuses together (config.cross_check)
 EXCLUSIVE = {"norm_before_fc": "fc_norm", "fc_norm": "norm_before_fc"}
 
 

@@ -26,6 +26,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3pipe.config import cross_check
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params
 from eagle3pipe.data import store
@@ -92,10 +93,12 @@ def host_memory_bytes() -> int:
 
 
 def _heads_problems(params: Params, cfg: dict, bad) -> None:
-    """The verifier's heads against vLLM's tensor-parallel ranks (the draft's: params.py)."""
+    """The verifier's heads against vLLM's tensor-parallel ranks (the draft's:
+    config/cross_check.py)."""
     kv = None if "kv_lora_rank" in cfg else cfg.get("num_key_value_heads")
-    found = P.tp_problem(params.vllm.tensor_parallel_size, cfg.get("num_attention_heads"), kv,
-                         "verifier", "vLLM shards attention heads over the tensor-parallel ranks")
+    found = cross_check.tp_problem(params.vllm.tensor_parallel_size,
+                                   cfg.get("num_attention_heads"), kv, "verifier",
+                                   "vLLM shards attention heads over the tensor-parallel ranks")
     if found:
         bad("vllm.tensor_parallel_size", *found)
 
@@ -265,7 +268,7 @@ def problems_of(params: Params, cfg: dict, f: E.Figures, stages: list[E.Estimate
     """What cannot work; the disk problem is the selected mode's (chosen)."""
     file, lines = P.source_of(params), P.lines_of(params)
     found: list[Problem] = []
-    P.check_engine(params, file, lines, found)  # the draft's heads vs TP, max_model_len
+    cross_check.check_engine(params, file, lines, found)  # the draft's heads vs TP, max_model_len
 
     def bad(key: str, msg: str, fix: str) -> None:
         found.append(Problem(file, lines.get(key), key, msg, fix))

@@ -165,9 +165,10 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
     d2t, t2d = V.build_mapping(dict(counts), arch.draft_vocab_size, arch.vocab_size)
     backend = distributed.backend_for("cpu")
     data = T.open_split(datapath, batch_tokens, arch, backend)
-    p = types.SimpleNamespace(seed=0, nproc_per_node=1, epochs=1, batch_tokens=batch_tokens, learning_rate=lr,
-                              weight_decay=0.0, warmup_steps=2, ttt_steps=ttt_steps,
-                              loss="kl_div")
+    p = types.SimpleNamespace(seed=0, nproc_per_node=1, epochs=1, batch_tokens=batch_tokens,
+                              learning_rate=lr, weight_decay=0.0, warmup_steps=2,
+                              ttt_steps=ttt_steps, ttt_step_loss_decay=1.0, grad_clip=1.0,
+                              loss="kl_div", init_from=None)
     states = {}
     for name in names:
         states[name] = T.build_state(p, arch, verifier_dir, d2t, t2d, data, data,

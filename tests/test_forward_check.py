@@ -144,3 +144,13 @@ def test_inputs_that_do_not_fit_the_draft_are_refused(micro_verifier, tmp_path, 
     with pytest.raises(fc.ForwardCheckError, match="cannot read the draft.s training config"):
         fc.compare(engine_settings(), micro_verifier, root / "vllm", hidden_states=hidden,
                    input_ids=ids, steps=K)
+
+
+def test_identical_logits_agree_whatever_their_size():
+    """A draft whose logits are all 0 (the smoke stage's positive control: final norm zero)
+    computes the same on both sides: no relative figure divides by its zero scale."""
+    zeros = torch.zeros(4, 8)
+    d = fc._diff(1, zeros, zeros.clone())
+    assert (d.max_abs, d.max_rel, d.agree) == (0.0, 0.0, 4) and d.ok(fc.TOLERANCE)
+    off = fc._diff(1, zeros, zeros + torch.tensor([0.0] * 7 + [1e-3]))
+    assert off.max_rel == 1.0 and not off.ok(fc.TOLERANCE)

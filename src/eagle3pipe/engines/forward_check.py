@@ -392,5 +392,7 @@ def _diff(step: int, v: torch.Tensor, s: torch.Tensor) -> StepDiff:
     finite = s[torch.isfinite(s)]
     scale = float(finite.abs().max()) if finite.numel() else math.nan
     vt, st = v.argmax(-1), s.argmax(-1)
-    return StepDiff(step, v.shape[0], max_abs, max_abs / scale if scale else math.inf,
+    # identical logits agree whatever their size (a draft whose logits are all 0 included)
+    rel = 0.0 if max_abs == 0 else max_abs / scale if scale else math.inf
+    return StepDiff(step, v.shape[0], max_abs, rel,
                     int((vt == st).sum()), int(vt[-1]), int(st[-1]))

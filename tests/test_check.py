@@ -1,5 +1,5 @@
-"""`eagle3pipe check`: the Kimi-K2.5 reference (and copies of it missing fields), corrupted and
-non-finite checkpoints, hand edits, stale architecture and serving values in every file kind."""
+"""`eagle3pipe check`: the Kimi-K2.5 reference (and copies of it missing fields), the configs
+speculators' training CLI writes, corrupted and non-finite checkpoints, hand edits, stale architecture and serving values in every file kind."""
 from __future__ import annotations
 
 import contextlib
@@ -81,6 +81,64 @@ def test_kimi_head_dim_112_fails_reference_and_changes_contract(tmp_path):
     assert "head_dim: rendered 112, reference 128 (vLLM reads this field)" in err
     assert A.contract(kimi_arch(tmp_path, 112), "vllm")[
         "midlayer.self_attn.q_proj.weight"].shape == (7168, 14336)
+
+
+# ---- speculators' training CLI: the config it writes with its defaults (EAGLE-3.1's
+# norm_before_fc + norm_output; a Llama or a Qwen3 layer), in speculators' layout
+
+CLI = ROOT / "examples/speculators-cli"
+WINDOW = {"layer_types", "sliding_window"}  # the CLI's drafts attend through a 2048 window
+
+
+def cli_check(tmp_path, ref: str | Path, **sets) -> tuple[int, str, list[str]]:
+    """`eagle3pipe check --reference` with the example's params, `draft.` keys replaced; the
+    fields whose difference is a problem."""
+    text = (CLI / "params.yaml").read_text()
+    for key, value in sets.items():
+        text, n = re.subn(rf"(?m)^(  {key}:) \S+", rf"\1 {value}", text)
+        assert n == 1, key
+    f = tmp_path / "params.yaml"
+    f.write_text(text)
+    rc, out, err = run_cli("check", "--params", f, "--no-configs", "--no-scan",
+                           "--verifier-config", ROOT / "configs/verifier_config.json",
+                           "--reference", CLI / ref if isinstance(ref, str) else ref)
+    assert "Traceback" not in out + err
+    return rc, out, re.findall(r"\.json: ([\w.]+): rendered", err)
+
+
+@pytest.mark.parametrize("layer", ["llama", "qwen3"])
+def test_speculators_cli_reference_differs_only_in_its_window(tmp_path, layer):
+    rc, out, problems = cli_check(tmp_path, f"{layer}.config.json", draft_arch=layer)
+    assert rc == 1 and set(problems) == WINDOW, problems
+    assert "against the rendered speculators/config.json" in out
+    for field in ("norm_before_fc", "norm_output", "fc_norm", "norm_before_residual"):
+        row = next(line for line in out.splitlines() if f"vLLM reads {field} " in line)
+        assert not row.startswith("  !!"), row
+    arch = "Eagle3Qwen3ForCausalLM" if layer == "qwen3" else "Eagle3LlamaForCausalLM"
+    assert f"ours=['{arch}']" in out and f"reference=['{arch}']" in out
+
+
+@pytest.mark.parametrize("sets,named", [
+    ({"norm_output": "false"}, {"norm_output"}),
+    ({"norm_before_fc": "false", "fc_norm": "true"}, {"norm_before_fc", "fc_norm"}),
+    ({"norm_before_fc": "false"}, {"norm_before_fc"}),
+    ({"draft_arch": "qwen3"}, {"architectures", "model_type"}),
+])
+def test_speculators_cli_reference_names_a_flipped_switch(tmp_path, sets, named):
+    rc, _, problems = cli_check(tmp_path, "llama.config.json", **sets)
+    assert rc == 1 and set(problems) == WINDOW | named, problems
+
+
+def test_speculators_layout_omitting_norm_before_residual_is_true_to_vllm(tmp_path):
+    """vLLM's speculators path reads an absent norm_before_residual as true, its flat path as
+    false (formats.VLLM_READS): the same omission, compared as what each path uses."""
+    ref = json.loads((CLI / "llama.config.json").read_text())
+    del ref["norm_before_residual"]
+    f = tmp_path / "ref.json"
+    f.write_text(json.dumps(ref))
+    assert set(cli_check(tmp_path, f)[2]) == WINDOW
+    rc, _, problems = cli_check(tmp_path, f, norm_before_residual="false")
+    assert set(problems) == WINDOW | {"norm_before_residual"}, problems
 
 
 # ---- checkpoints

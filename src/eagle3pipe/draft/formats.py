@@ -53,6 +53,9 @@ VLLM_READS = {
     # speculators CLI turns two on for EAGLE-3 drafts: never rely on either
     "norm_before_fc": False, "fc_norm": False, "norm_output": False,  # check: ignore (vLLM's)
     "target_hidden_size": "=hidden_size",
+    # a window per sliding_attention layer (vllm llama.py, qwen3_eagle3.py); these configs state
+    # neither, so every draft layer attends to every position, as training's does
+    "layer_types": None, "sliding_window": None,
 }
 
 

@@ -6,13 +6,15 @@ the file, key, line or tensor that is wrong.
   params, and every weight finite, including what vLLM silently accepts (a head_dim smaller than
   the weights, a missing fc.weight, an all-zero d2t, a NaN fc.weight): eagle3pipe.draft.checkpoint,
   which the export stage runs too;
-- a published flat config, field by field, split into fields vLLM reads and fields it ignores;
-  a field it omits is compared as the value vLLM then uses (`vllm_uses`);
+- a published config (flat, or speculators' layout as vLLM converts it: `vllm_view`), field by
+  field, split into fields vLLM reads and fields it ignores; a field it omits is compared as
+  the value vLLM then uses (`vllm_uses`);
 - hand-written architecture and serving values in tracked files that contradict params.yaml:
   eagle3pipe.tools.scan.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -65,6 +67,26 @@ def check_rendered(rendered: dict[str, str], configs_dir: str | Path) -> list[st
 # published reference config
 
 AUX = "eagle_config.eagle_aux_hidden_state_layer_ids"
+SPECULATORS_KEY = "speculators_model_type"  # the key that marks speculators' layout
+
+
+def vllm_view(config: dict) -> dict:
+    """`config` as vLLM 0.32 loads it. A speculators-layout config becomes the flat config vLLM
+    builds from it, by vLLM's own SpeculatorsConfig.extract_transformers_pre_trained_config
+    (vllm/transformers_utils/configs/speculators/base.py): transformer_layer_config lifted, then
+    algos.update_eagle3, which states norm_before_residual (true where absent), the three
+    EAGLE-3.1 switches (false where absent) and the architecture from the layer's model_type.
+    The aux ids, which that path sets top-level (read first by vLLM), go where the flat layout
+    has them. A flat config is returned as it is."""
+    if SPECULATORS_KEY not in config:
+        return config
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    flat = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(config))
+    ids = flat.pop("eagle_aux_hidden_state_layer_ids", None)
+    if ids is not None:
+        flat.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = ids
+    return flat
 
 
 def _aux_fallback(ref: dict, verifier_num_layers: int) -> tuple[Any, str]:
@@ -91,20 +113,28 @@ _DERIVED = {
     "draft_vocab_size": (lambda v: v("vocab_size"), "vocab_size (vllm llama_eagle3.py)"),
     "target_hidden_size": (lambda v: v("hidden_size"), "hidden_size (vllm llama_eagle3.py)"),
     "rope_scaling": (lambda v: None, "no rope scaling (transformers rope_type 'default')"),
+    "layer_types": (lambda v: None, "every layer full attention (vllm llama.py, qwen3_eagle3.py: "
+                    "a window only where layer_types says sliding_attention)"),
+    "sliding_window": (lambda v: None, "no window (read for sliding_attention layers only)"),
 }
+
+
+def _config_class(ref: dict):
+    """The transformers config class vLLM builds the flat config with (its model_type)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[ref.get("model_type") or "llama"]
 
 
 def vllm_uses(field: str, ref: dict, verifier_num_layers: int) -> tuple[Any, str]:
     """(value, where it comes from) of a flat-config field vLLM reads (formats.VLLM_READS), as
     vLLM 0.32 loads `ref` (a flattened reference config): the reference's value where it states
     one, else vLLM's fallback. vLLM reads the flat config through transformers' LlamaConfig
-    (model_type llama): plain fields fall back to LlamaConfig's class defaults
-    (transformers/models/llama/configuration_llama.py), rope_theta to rope_parameters.rope_theta
+    (or its model_type's, Qwen3Config for qwen3): plain fields fall back to that class's
+    defaults (transformers/models/llama/configuration_llama.py), rope_theta to rope_parameters.rope_theta
     or RotaryEmbeddingConfigMixin.default_theta (modeling_rope_utils.py), rope_scaling to none;
     the EAGLE-3 fields to VLLM_READS' values (llama_eagle3.py) or _DERIVED; the aux ids as in
     _aux_fallback. (ABSENT, why) where vLLM has no fallback (it cannot load such a config)."""
-    from transformers import LlamaConfig
-
     if field in ref:
         return ref[field], "the reference's"
     if field in ("architectures", "model_type"):  # pick the config and model classes
@@ -117,10 +147,12 @@ def vllm_uses(field: str, ref: dict, verifier_num_layers: int) -> tuple[Any, str
     if field == "rope_theta":
         if "rope_parameters.rope_theta" in ref:
             return ref["rope_parameters.rope_theta"], "its rope_parameters.rope_theta"
-        return LlamaConfig.default_theta, "transformers' default_theta (modeling_rope_utils.py)"
+        return _config_class(ref).default_theta, \
+            "transformers' default_theta (modeling_rope_utils.py)"
     if VLLM_READS.get(field) is not None:
         return VLLM_READS[field], "vLLM's default (vllm llama_eagle3.py; formats.VLLM_READS)"
-    return getattr(LlamaConfig, field), "transformers LlamaConfig's class default"
+    cls = _config_class(ref)
+    return getattr(cls, field), f"transformers {cls.__name__}'s class default"
 
 
 def same(a, b) -> bool:
@@ -142,18 +174,20 @@ def _collapse(flat: dict) -> dict:
     return flat
 
 
-def compare_reference(rendered_flat: dict, reference: dict, *, verifier_num_layers: int
+def compare_reference(rendered: dict, reference: dict, *, verifier_num_layers: int
                       ) -> tuple[list[dict], list[str]]:
-    """Our flat config vs a published one, field by field. For a field vLLM reads that the
-    reference omits, the value compared is the one vLLM then uses (vllm_uses): row["omitted"]
-    is True and row["source"] says where that value comes from."""
-    ours, theirs = (_collapse(_flatten(c)) for c in (rendered_flat, reference))
+    """Our rendered config vs a published one of the same layout, field by field, each as vLLM
+    loads it (vllm_view). For a field vLLM reads that the reference omits, the value compared is
+    the one vLLM then uses (vllm_uses): row["omitted"] is True and row["source"] says where that
+    value comes from; a field ours omits is compared as vLLM's value for it too."""
+    ours, theirs = (_collapse(_flatten(vllm_view(c))) for c in (rendered, reference))
     rows, problems = [], []
     for key in sorted(set(ours) | set(theirs) | set(VLLM_READS)):
         read = key in VLLM_READS
         a, b = ours.get(key, ABSENT), theirs.get(key, ABSENT)
         omitted, source = read and key not in theirs, ""
         if read:
+            a = vllm_uses(key, ours, verifier_num_layers)[0]
             b, source = vllm_uses(key, theirs, verifier_num_layers)
         equal = same(a, b)
         rows.append({"field": key, "ours": a, "reference": b, "vllm_reads": read,

@@ -39,12 +39,14 @@ def cmd_render(args) -> int:
 
 
 def _reference(args, files: dict[str, str], verifier_num_layers: int) -> list[str]:
-    """Prints the field-by-field comparison with a published flat config; its problems."""
+    """Prints the field-by-field comparison with a published config, against our rendered
+    config of the same layout (flat or speculators'); its problems."""
     ref = read_json_object(args.reference, formats.ConfigError,
-                           "pass a published flat EAGLE-3 config.json", "reference config")
-    rows, found = check.compare_reference(json.loads(files["vllm/config.json"]), ref,
-                                      verifier_num_layers=verifier_num_layers)
-    print(f"reference {args.reference}:")
+                           "pass a published EAGLE-3 draft config.json", "reference config")
+    ours = "speculators/config.json" if check.SPECULATORS_KEY in ref else "vllm/config.json"
+    rows, found = check.compare_reference(json.loads(files[ours]), ref,
+                                          verifier_num_layers=verifier_num_layers)
+    print(f"reference {args.reference} against the rendered {ours}, each as vLLM loads it:")
     for r in rows:
         mark = "  " if r["same"] else ("!!" if r["vllm_reads"] else " ~")
         who = "vLLM reads" if r["vllm_reads"] else "ignored   "
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True)
     c = sub.add_parser("check", parents=[common], help="find drift between params and files")
     c.add_argument("--checkpoint", action="append", help="safetensors draft dir (repeatable)")
-    c.add_argument("--reference", help="a published flat EAGLE-3 config.json to compare with")
+    c.add_argument("--reference", help="a published EAGLE-3 draft config.json (flat or speculators' layout) "
+                   "to compare with")
     c.add_argument("--root", default=".", help="repository to scan for hand-written constants")
     c.add_argument("--no-scan", action="store_true")
     c.add_argument("--no-configs", action="store_true", help="skip the derived-configs check")

@@ -31,7 +31,9 @@ SCAN_KEYS = {
     "num_speculative_tokens": ("speculative_tokens",), "dtype": ("torch_dtype",),
 }
 # not scanned, and why (tests assert SCAN_KEYS + NOT_SCANNED cover VLLM_READS and DraftArch)
-NOT_SCANNED = {"architectures": "a class name, not a size", "model_type": "likewise"}
+NOT_SCANNED = {"architectures": "a class name, not a size", "model_type": "likewise",
+               "layer_types": "not a params key: eagle3pipe's drafts attend to every position",
+               "sliding_window": "likewise"}
 SCAN_SUFFIXES = {".py", ".sh", ".bash", ".json", ".yaml", ".yml", ".toml", ".cfg", ".ini",
                  ".mk", ".md", ".ipynb"}
 SCAN_NAMES = {"Makefile", "Dockerfile"}  # and extensionless scripts with a #! line

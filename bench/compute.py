@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common import (interleave, log, random_verifier, rnd, speed_ratio, speed_ratio_median,
+from common import (ROOT, interleave, log, random_verifier, rnd, speed_ratio, speed_ratio_median,
                     synthetic_samples, timing_summary)
 
 
@@ -151,7 +151,9 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
     """(arch, the datapath's Batches, {name: TrainState}) for the training bench: the draft
     derived from draft_params, the vocab mapping from the samples' loss-masked tokens, and one
     train.build_state per name (the same seeded init each, in train mode as fit() runs step()),
-    over one epoch of the stage's seeded packing with a 2-step warm-up."""
+    over one epoch of the stage's seeded packing with a 2-step warm-up; micro-batches of the
+    default params' train.cpu_chunk_tokens, as the default run's train stage."""
+    from eagle3pipe.config import params
     from eagle3pipe.draft import arch as archmod
     from eagle3pipe.runtime import distributed
     from eagle3pipe.stages import train as T
@@ -163,7 +165,8 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
     counts = collections.Counter(t for s in samples for t, m in zip(s.input_ids, s.loss_mask)
                                  if m)
     d2t, t2d = V.build_mapping(dict(counts), arch.draft_vocab_size, arch.vocab_size)
-    backend = distributed.backend_for("cpu")
+    chunk = params.load(ROOT / "params.yaml").train.cpu_chunk_tokens
+    backend = distributed.backend_for("cpu", chunk)
     data = T.open_split(datapath, batch_tokens, arch, backend)
     p = types.SimpleNamespace(seed=0, nproc_per_node=1, epochs=1, batch_tokens=batch_tokens,
                               learning_rate=lr, weight_decay=0.0, warmup_steps=2,
@@ -223,7 +226,7 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
     """tokens/s of the train stage's step vs a bare speculators step on the same packed batches
     (the same samples, read through the same ArrowDataset + CollateFn):
       loop              eagle3pipe.stages.train.step itself, on a TrainState from train.build_state:
-                        Batches.micro (collate into <= 512-token micro-batches on CPU),
+                        Batches.micro (collate into <= train.cpu_chunk_tokens micro-batches on CPU),
                         run_batch (bf16 autocast forward, token-weighted backward, accuracy
                         counts), clip_grad_norm_, AdamW step, LR schedule, with
                         torch.use_deterministic_algorithms(True) as train.setup sets on CPU

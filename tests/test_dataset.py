@@ -27,7 +27,8 @@ END = "<|end|>"
 
 def cfg(**kw):
     base = dict(source=None, num_samples=5, max_prompt_tokens=40, max_new_tokens=12,
-                max_seq_len=96, batch_size=2, eval_fraction=0.2, on_bad_input="skip", seed=0)
+                max_seq_len=96, batch_size=2, eval_fraction=0.2, on_bad_input="skip", seed=0,
+                snippet_lines=[4, 12], snippet_max_chars=600)
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -82,8 +83,8 @@ def test_stdlib_prompts_masks_cover_exactly_the_reply(stdlib_run, tokenizer):
         assert sum(s["loss_mask"]) <= 12 + 1  # max_new_tokens + a closing token
         assert s["messages"][0]["role"] == "user" and s["messages"][0]["content"]
     # prompts come from the corpus' "prompt" part (disjoint from verifier training/smoke)
-    from eagle3pipe.verifier import corpus
-    snippets = corpus.snippets("prompt", 5, seed=0)
+    from eagle3pipe.data.prompts import snippets_of
+    snippets = snippets_of("prompt", cfg(), 5)
     for s in samples:
         i = int(s["id"].split("-")[1])
         assert snippets[i].startswith(s["messages"][0]["content"])

@@ -79,7 +79,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def section(**override):
     return types.SimpleNamespace(**{**dict(dtype="bfloat16", batch_size=2, threads=2,
                                            oracle_samples=2, oracle_tolerance=0.01,
-                                           mode="offline", endpoint=None), **override})
+                                           mode="offline", endpoint=None, seed=0), **override})
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,15 @@ CASES = [
     _case("  eval_fraction: 0.1", "  eval_fraction: 1.5", "dataset.eval_fraction", r"\[0, 1\)"),
     _case("  batch_tokens: 2048", "  batch_tokens: lots", "train.batch_tokens", "integer"),
     _case("  device: cpu", "  device: tpu", "train.device", "not one of"),
+    _case("    adam_betas:", "    adam_betas: [0.9, 1.0]", "verifier.embedded.adam_betas",
+          "below 1"),
+    _case("    adam_betas:", "    adam_betas: [0.9]", "verifier.embedded.adam_betas",
+          "exactly 2"),
+    _case("  snippet_lines: [4, 12]    # source", "  snippet_lines: [12, 4]",
+          "dataset.snippet_lines", "min <= max"),
+    _case("  snippet_lines: [4, 12]    # prompts", "  snippet_lines: [0, 4]",
+          "smoke.snippet_lines", "1 <= min"),
+    _case("  cpu_chunk_tokens:", "  cpu_chunk_tokens: 8", "train.cpu_chunk_tokens", ">="),
     _case("  min_acceptance_length:", "  min_acceptance_length: 0.5",
           "smoke.min_acceptance_length", ">="),
     _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",
@@ -216,6 +225,7 @@ def test_empty_file(tmp_path, verifier_json):
 def test_section_not_mapping(tmp_path, verifier_json):
     text, line = replace_line(DEFAULT, "extract:", "extract: fast")
     text = text.replace("  dtype: bfloat16\n  batch_size: 8\n  threads: 2\n", "", 1)
+    text = re.sub(r"(?m)^(  endpoint: .*\n)  seed: 0\n", r"\1", text, count=1)
     text = "\n".join(t for t in text.split("\n")
                      if not t.startswith(("  oracle_", "  mode: ", "  endpoint: ")))
     rc, err, out = run_render(tmp_path, text)

@@ -380,7 +380,8 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
     s = types.SimpleNamespace(num_prompts=2, max_tokens=8,
                               min_acceptance_length=1.0, min_gain_over_ngram=0.0,
                               ngram_prompt_lookup_min=1, ngram_prompt_lookup_max=4, seed=0,
-                              threads=2, prompts=None, k_sweep=[1, 3], timing_rounds=1,
+                              threads=2, snippet_lines=[4, 12], snippet_max_chars=600,
+                              prompts=None, k_sweep=[1, 3], timing_rounds=1,
                               batch1_prompts=1, agreement_prompts=2, max_train_serve_gap=0.1)
     dataset, train_metrics = _agreement_inputs(tmp_path, micro_verifier, [1.0] * K)
     with pytest.raises(smoke_inputs.SmokeError) as e:

@@ -15,7 +15,8 @@ MICRO_EMBEDDED = dict(tokenizer_vocab_size=512, hidden_size=64, num_hidden_layer
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                       intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0,
                       rms_norm_eps=1e-5, train_steps=30, batch_size=4, seq_len=64,
-                      learning_rate=5e-3, seed=0, threads=2)
+                      learning_rate=5e-3, adam_betas=[0.9, 0.95], weight_decay=0.1,
+                      warmup_steps=1, min_lr_ratio=0.1, seed=0, threads=2)
 
 
 def engine_settings(**override) -> dict:

@@ -92,6 +92,11 @@ def _embedded_problems(p: Params, file: str, lines: dict, problems: list[Problem
                                 f"{e.num_attention_heads} does not divide hidden_size "
                                 f"{e.hidden_size}; transformers' LlamaConfig rejects that",
                                 "pick a divisor of verifier.embedded.hidden_size"))
+    if p.verifier.path is None and any(b >= 1.0 for b in e.adam_betas):
+        problems.append(Problem(file, lines.get("verifier.embedded.adam_betas"),
+                                "verifier.embedded.adam_betas",
+                                f"{list(e.adam_betas)}: each beta must be below 1 (AdamW)",
+                                "use e.g. [0.9, 0.95]"))
     return True
 
 
@@ -109,6 +114,13 @@ def _smoke_dataset_problems(p: Params, file: str, lines: dict, problems: list[Pr
                                 "smoke.ngram_prompt_lookup_min",
                                 "is larger than smoke.ngram_prompt_lookup_max",
                                 "make min <= max"))
+    for section in ("dataset", "smoke"):
+        lo, hi = getattr(p, section).snippet_lines
+        if not 1 <= lo <= hi:
+            problems.append(Problem(file, lines.get(f"{section}.snippet_lines"),
+                                    f"{section}.snippet_lines",
+                                    f"[{lo}, {hi}] is not [min, max] with 1 <= min <= max",
+                                    "use e.g. [4, 12]"))
     if p.dataset.eval_fraction > 0 and p.dataset.num_samples < 2:
         problems.append(Problem(file, lines.get("dataset.num_samples"), "dataset.num_samples",
                                 f"{p.dataset.num_samples} sample cannot fill both a train and an "

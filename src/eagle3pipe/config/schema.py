@@ -33,6 +33,10 @@ class EmbeddedVerifierParams:
     batch_size: int = spec("sequences per verifier training step", min=1)
     seq_len: int = spec("tokens per verifier training sequence", min=8)
     learning_rate: float = spec("AdamW peak learning rate", min=0.0)
+    adam_betas: list[float] = spec("AdamW (beta1, beta2), each in [0, 1)", length=2)
+    weight_decay: float = spec("AdamW weight decay", min=0.0)
+    warmup_steps: int = spec("linear warm-up steps before the cosine decay", min=0)
+    min_lr_ratio: float = spec("the cosine decay's floor, as a share of learning_rate", min=0.0)
     seed: int = spec("seed of tokenizer/verifier training", min=0)
     threads: int = spec("torch CPU threads", min=1)
 
@@ -111,6 +115,9 @@ class DatasetParams:
     eval_fraction: float = spec("share of samples held out for draft evaluation", min=0.0)
     on_bad_input: str = spec("what a bad JSONL line does", choices=("skip", "error"))
     seed: int = spec("sampling/split seed", min=0)
+    snippet_lines: list[int] = spec("source null: each stdlib snippet is a run of "
+                                    "this many lines, drawn uniformly in [min, max]", length=2)
+    snippet_max_chars: int = spec("source null: a snippet's longest text (characters)", min=40)
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class ExtractParams:
                      choices=("offline", "online", "hybrid"))
     endpoint: str | None = spec("host:port of `eagle3pipe serve --hidden-states` (online and "
                                 "hybrid); null: the engine runs inside the train stage")
+    seed: int = spec("torch/numpy/random seed of the stage (the oracle's forward)", min=0)
 
 
 # speculators 0.9's loss names (speculators/losses/utils.py, _EAGER_LOSS_FN_MAP and
@@ -157,6 +165,9 @@ class TrainParams:
                      "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "
                      "lk_hybrid", choices=LOSSES)
     eval_every: int = spec("steps between eval-loss logs", min=1)
+    cpu_chunk_tokens: int = spec("on CPU, a packed batch runs as micro-batches of at most this "
+                                 "many tokens with gradient accumulation (the sdpa mask is "
+                                 "quadratic in a pack's length); unused on cuda", min=16)
     init_from: str | None = spec("an exported draft (either format) under drafts/ to start "
                                  "from, e.g. drafts/previous (copied or `dvc add`ed there); "
                                  "null: a seeded random init")
@@ -180,6 +191,9 @@ class SmokeParams:
     ngram_prompt_lookup_max: int = spec("ngram baseline: longest lookup", min=1)
     seed: int = spec("vLLM seed", min=0)
     threads: int = spec("torch CPU threads", min=1)
+    snippet_lines: list[int] = spec("prompts null: each stdlib snippet is a run of "
+                                    "this many lines, drawn uniformly in [min, max]", length=2)
+    snippet_max_chars: int = spec("prompts null: a snippet's longest text (characters)", min=40)
     agreement_prompts: int = spec("samples of the training data's eval split (the first of "
                                   "artifacts/dataset/eval.jsonl) the draft generates in vLLM, "
                                   "beside the trainer's estimate on that split", min=1)

@@ -46,6 +46,14 @@ class Prompt:
     truncated: bool = False
 
 
+def snippets_of(part: str, section, n: int) -> list[str]:
+    """n stdlib snippets of `part`, sized by a params section's snippet_lines and
+    snippet_max_chars (dataset's or smoke's), drawn with its seed."""
+    lo, hi = section.snippet_lines
+    return corpus.snippets(part, n, seed=section.seed, min_lines=lo, max_lines=hi,
+                           max_chars=section.snippet_max_chars)
+
+
 def chat_ids(tok, messages: list[dict]) -> list[int]:
     """Messages formatted with the verifier's chat template (add_generation_prompt=True) and
     tokenized once, so vLLM adds no second BOS."""
@@ -53,10 +61,11 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def build_prompts(tok, num_prompts: int, seed: int) -> list[list[int]]:
-    """Held-out corpus snippets as user turns, tokenized with the chat template."""
+def build_prompts(tok, s) -> list[list[int]]:
+    """Held-out corpus snippets as user turns, tokenized with the chat template (`s`: the
+    params' smoke section)."""
     try:
-        texts = corpus.snippets("heldout", num_prompts, seed=seed)
+        texts = snippets_of("heldout", s, s.num_prompts)
     except RuntimeError as e:
         raise PromptsError(f"smoke.num_prompts: {e}") from None
     return [chat_ids(tok, [{"role": "user", "content": text}]) for text in texts]
@@ -143,7 +152,7 @@ def load(s, tok, at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], str]:
     """The prompts of the params' `smoke` section and where they came from."""
     if s.prompts is None:
         return [Prompt(ids, f"stdlib held-out prompt {i}", domain=STDLIB_DOMAIN)
-                for i, ids in enumerate(build_prompts(tok, s.num_prompts, s.seed))], \
+                for i, ids in enumerate(build_prompts(tok, s))], \
             STDLIB_SOURCE
     path = prompts_path(s.prompts, at)
     return read_prompts(path, tok, s.num_prompts, at), str(path)
@@ -226,7 +235,7 @@ def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
 
 def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> tuple[list[Prompt],
                                                                              ReadReport]:
-    snippets = corpus.snippets("prompt", cfg.num_samples, seed=cfg.seed)
+    snippets = snippets_of("prompt", cfg, cfg.num_samples)
     report = ReadReport(source="stdlib:prompt")
     prompts = []
     for i, text in enumerate(tqdm(snippets, desc="dataset: prompts", disable=not progress,

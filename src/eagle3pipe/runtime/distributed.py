@@ -24,7 +24,6 @@ import torch
 from eagle3pipe.errors import Error
 
 PAD_MULTIPLE = 128                # CUDA: packs trimmed to a multiple of this (flex blocks)
-CPU_CHUNK_TOKENS = 512            # CPU: tokens per forward (see backend_for)
 
 
 class DistributedError(Error, ValueError):
@@ -131,9 +130,10 @@ class Backend:
     pad_multiple: int            # collated length rounded up to a multiple of this
 
 
-def backend_for(device: str) -> Backend:
+def backend_for(device: str, cpu_chunk_tokens: int) -> Backend:
     """CPU: sdpa (flex attention has no CPU backward), the eager loss (the fused one needs
-    Triton), and every packed batch run as micro-batches of <= CPU_CHUNK_TOKENS tokens with
+    Triton), and every packed batch run as micro-batches of <= cpu_chunk_tokens tokens
+    (train.cpu_chunk_tokens) with
     gradient accumulation: sdpa gets a dense [T, ttt*T] mask, so one long pack costs far more
     than its short pieces together (a quadratic mask; bench/README.md), all of it on
     cross-document pairs that are masked out anyway. Each micro-batch's loss is weighted by its share of loss-mask tokens, so
@@ -141,7 +141,7 @@ def backend_for(device: str) -> Backend:
     CUDA: speculators' own defaults, one packed batch per forward (flex attention skips the
     masked blocks), the fused Triton loss when Triton is importable."""
     if device == "cpu":
-        return Backend("sdpa", "eager", torch.bfloat16, torch.bfloat16, CPU_CHUNK_TOKENS, 1)
+        return Backend("sdpa", "eager", torch.bfloat16, torch.bfloat16, cpu_chunk_tokens, 1)
     try:
         import triton  # noqa: F401
         loss_impl = "fused"

@@ -200,7 +200,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     vLLM with the run's engine settings, spot-checked against the transformers oracle,
     validated and published atomically. `e` is the params' `extract` section. Returns the
     metrics (tokens_per_second is the only timing)."""
-    seed_everything(0, e.threads)
+    seed_everything(e.seed, e.threads)
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     spec = read_capture(capture_path, v.info)  # fail fast, before loading weights

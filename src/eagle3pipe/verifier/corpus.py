@@ -58,8 +58,8 @@ def files(part: str, root: Path | None = None) -> list[Path]:
     return [root / r for r in stdlib_files(root) if part_of(r) == part]
 
 
-def snippets(part: str, n: int, *, seed: int, min_lines: int = 4, max_lines: int = 12,
-             max_chars: int = 600, root: Path | None = None) -> list[str]:
+def snippets(part: str, n: int, *, seed: int, min_lines: int, max_lines: int, max_chars: int,
+             root: Path | None = None) -> list[str]:
     """n deterministic code snippets (runs of consecutive non-blank-started lines) of a part."""
     rng = random.Random(seed)
     candidates: list[str] = []

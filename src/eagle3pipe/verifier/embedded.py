@@ -96,15 +96,15 @@ def build(e, out_dir: str | Path, *, progress: bool = True) -> dict:
     torch.manual_seed(e.seed)
     model = LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(e.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=e.learning_rate, betas=(0.9, 0.95),
-                            weight_decay=0.1)
-    warmup = max(1, e.train_steps // 20)
+    opt = torch.optim.AdamW(model.parameters(), lr=e.learning_rate, betas=tuple(e.adam_betas),
+                            weight_decay=e.weight_decay)
+    warmup, floor = e.warmup_steps, e.min_lr_ratio
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return e.learning_rate * (step + 1) / warmup
         frac = (step - warmup) / max(1, e.train_steps - warmup)
-        return e.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return e.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
     model.train()
     bar = tqdm(range(e.train_steps), desc="verifier: train", disable=not progress,

@@ -23,9 +23,9 @@ def private_store(tmp_path_factory, monkeypatch):
     """Each test's in-process stages keep their per-sample store (eagle3pipe.data.store) in a
     directory of its own, never the project's; pipeline.env() drops the variable, so that each
     temporary DVC repo uses its own `.eagle3pipe/data/store`."""
-    from eagle3pipe.data import store
+    from eagle3pipe.runtime import environment
 
-    monkeypatch.setenv(store.STORE_ENV, str(tmp_path_factory.mktemp("store")))
+    monkeypatch.setenv(environment.STORE, str(tmp_path_factory.mktemp("store")))
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +57,8 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
 # (pytest_collection_modifyitems), those that run on one core first, so that the runs keep the
 # second core busy until the modules that use both (faults, TP 2, the change scenarios) come.
 
-LAST = ("test_store.py", "test_families.py", "test_serve.py", "test_online.py", "test_faults.py",
+LAST = ("test_store.py", "test_families.py", "test_serve.py", "test_online.py",
+        "test_switch_pipelines.py", "test_faults.py",
         "test_parallel.py", "test_pipeline.py")
 EARLY = {"store_repo": ("store",), "family_runs": ("families",), "micro": ("cold",),
          "second": ("second",)}

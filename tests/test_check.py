@@ -1,5 +1,6 @@
 """`eagle3pipe check`: the Kimi-K2.5 reference (and copies of it missing fields), the configs
-speculators' training CLI writes, corrupted and non-finite checkpoints, hand edits, stale architecture and serving values in every file kind."""
+speculators' training CLI writes, corrupted and non-finite checkpoints, hand edits, stale
+architecture and serving values in every file kind."""
 from __future__ import annotations
 
 import contextlib

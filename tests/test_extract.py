@@ -18,7 +18,8 @@ from eagle3pipe.stages import extract, extract_checks
 import types
 
 from eagle3pipe.engines import capture
-from eagle3pipe.data import samples, store
+from eagle3pipe.runtime import environment
+from eagle3pipe.data import samples
 from eagle3pipe.verifier.handle import Verifier
 from eagle3pipe.stages.extract_checks import ExtractError
 from eagle3pipe.data.samples import SamplesError
@@ -344,7 +345,7 @@ def test_stage_script_end_to_end(micro_verifier, tmp_path):
     # store of its own: the edit keeps the safetensors headers, so under verifier.hash_mode
     # headers the store would hand back the good verifier's states (which the oracle refuses)
     zero = checkpoints.degenerate(micro_verifier, tmp_path / "zero", "zero_embedding")
-    r = stage(cap, zero, env={store.STORE_ENV: str(tmp_path / "zero-store")})
+    r = stage(cap, zero, env={environment.STORE: str(tmp_path / "zero-store")})
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert "train sample 0 (s0): slot layer_input_1 (layer 1): all zero" in r.stderr
@@ -385,7 +386,7 @@ def test_oracle_on_a_prefix_where_the_decoder_does_not_fit(micro_verifier, tmp_p
               for i, r in enumerate(rows)}
     per_layer, rest = capture.float32_bytes(v)
     assert sorted(per_layer) == list(range(v.info.num_hidden_layers)) and rest > 0
-    monkeypatch.setenv(capture.MEMORY_ENV, str(rest + per_layer[0] + per_layer[1]))
+    monkeypatch.setenv(environment.ORACLE_MEMORY, str(rest + per_layer[0] + per_layer[1]))
     states[1][:, 2] *= 1.1  # aux id 3: above the prefix
     ok = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     assert sorted(ok["max_rel_error"]) == ["layer_input_1", "layer_input_2"], ok
@@ -395,11 +396,11 @@ def test_oracle_on_a_prefix_where_the_decoder_does_not_fit(micro_verifier, tmp_p
     states[1][:, 1] *= 1.1  # aux id 2: inside the prefix
     with pytest.raises(ExtractError, match=r"layer_input_2 \(layer 2\) 0\.1"):
         extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
-    monkeypatch.setenv(capture.MEMORY_ENV, str(rest))
+    monkeypatch.setenv(environment.ORACLE_MEMORY, str(rest))
     skipped = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     assert skipped["samples"] == 0 and "the prefix below layer 1 (the lowest aux id)" in \
-        skipped["skipped"] and f"${capture.MEMORY_ENV}=" in skipped["skipped"], skipped
-    monkeypatch.setenv(capture.MEMORY_ENV, "lots")
+        skipped["skipped"] and f"${environment.ORACLE_MEMORY}=" in skipped["skipped"], skipped
+    monkeypatch.setenv(environment.ORACLE_MEMORY, "lots")
     with pytest.raises(capture.CaptureError, match=r"EAGLE3PIPE_ORACLE_MEMORY: 'lots' is not a "
                        r"size[\s\S]*fix: set it to a size such as 64G"):
         extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))

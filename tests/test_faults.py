@@ -17,7 +17,7 @@ Every stage (verifier, configs, dataset, vocab, extract, train, export, smoke) r
            and the stage's): past the imports, and before the end on any load, since a run
            takes at least its CPU time (should it end first all the same, again at 30%, 15%);
   publish  everything written, just before the stage's main output is renamed into place (the
-           test hook EAGLE3PIPE_FAULT_HOLD in runtime.py holds the writer there); for configs
+           hook in tests/helpers/site/sitecustomize.py holds the writer there); for configs
            four of its five files are published by then, for smoke its plots, not its metrics.
 After each kill: no process of the run survives (torchrun starts its workers in sessions of
 their own; without runtime.bind_to_launcher they went on training and published after DVC was
@@ -51,8 +51,8 @@ from pathlib import Path
 import pytest
 
 from helpers.pipeline import (FAULT_TAG, MICRO_PARAMS, ROOT, STAGES, digest, digests, env,
-                              get_param, kill_group, leftovers, make_repo, set_param, sh,
-                              stage_outputs, start, tagged, wait_for)
+                              fault_hold, get_param, kill_group, leftovers, make_repo, set_param,
+                              sh, stage_outputs, start, tagged, wait_for)
 
 POINTS = ("start", "mid", "publish")
 START_DELAY = 0.25
@@ -134,8 +134,7 @@ def kill_at(repo: Path, stage: str, point: str, delay: float = START_DELAY,
     held.unlink(missing_ok=True)
     extra = {FAULT_TAG: tag}
     if point == "publish":
-        extra |= {"EAGLE3PIPE_FAULT_HOLD": str(repo / HOLD[stage]),
-                  "EAGLE3PIPE_FAULT_HELD": str(held)}
+        extra |= fault_hold(repo / "src", repo / HOLD[stage], held)
     cmd = ("dvc", "repro", *RUN, *(("-f", "-s") if forced else ()), stage)
     proc = start(repo, *cmd, env_extra=extra, log=log)
     try:
@@ -436,8 +435,7 @@ def test_a_killed_writer_publishes_nothing_and_the_next_writer_removes_its_lefto
     (tmp_path / "f.json").write_text("old")
     held, tag = tmp_path / "held", uuid.uuid4().hex
     p = _python(HOLDING_WRITER, str(tmp_path),
-                env_extra={FAULT_TAG: tag, "EAGLE3PIPE_FAULT_HOLD": str(tmp_path / target),
-                           "EAGLE3PIPE_FAULT_HELD": str(held)})
+                env_extra={FAULT_TAG: tag, **fault_hold(ROOT / "src", tmp_path / target, held)})
     wait_for("the writer held", held.exists, timeout=60, proc=p)
     assert kill_group(p, tag) == {}
     # the held output is the old one, whole; the dead writer's temporary sits beside it

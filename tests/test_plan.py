@@ -15,6 +15,7 @@ from eagle3pipe.draft import arch as A
 from eagle3pipe.tools import cli
 from eagle3pipe.config import params as P
 from eagle3pipe.runtime import units
+from eagle3pipe.runtime import environment
 from eagle3pipe.estimates import check as estimate
 from eagle3pipe.estimates import size
 from eagle3pipe.tools import plan
@@ -272,11 +273,11 @@ def test_free_disk_is_measured_without_disk(monkeypatch, capsys):
     rc, m = _modes(capsys)  # roomy_disk: 10^16 B free everywhere
     assert rc == 0 and all(v["fits"] and v["free_bytes"] == 10 ** 16
                            for k, v in m.items() if k != "doc")
-    monkeypatch.setenv(estimate.FREE_BYTES_ENV, str(10 ** 13))  # 9.1 TiB: online alone fits
+    monkeypatch.setenv(environment.FREE_BYTES, str(10 ** 13))  # 9.1 TiB: online alone fits
     rc, m = _modes(capsys)
     assert rc == 1 and [k for k, v in m.items() if k != "doc" and v["fits"]] == [
         ("online", False), ("online", True)]
-    assert m["doc"]["disk_from"].endswith(f"(${estimate.FREE_BYTES_ENV})")
+    assert m["doc"]["disk_from"].endswith(f"(${environment.FREE_BYTES})")
 
 
 @pytest.mark.parametrize("tokens", ["1.5", "0", "-3", "1e-3", "many", "inf", "nan"])

@@ -165,6 +165,15 @@ def unexplained_skips(repo: Path, expected: set[str], ran: set[str],
 # Faults (tests/test_faults.py): runs to kill, their processes, and what a kill leaves behind
 
 FAULT_TAG = "EAGLE3PIPE_FAULT_TAG"  # in the environment of every process of one run
+SITE = Path(__file__).parent / "site"  # sitecustomize.py: the hold before publishing
+
+
+def fault_hold(src: Path, target: Path, held: Path) -> dict:
+    """The environment that holds the writer of `target` before it publishes, once it has
+    created `held` (tests/helpers/site/sitecustomize.py), for processes importing eagle3pipe
+    from `src`."""
+    return {"PYTHONPATH": f"{src}:{SITE}", "EAGLE3PIPE_FAULT_HOLD": str(target),
+            "EAGLE3PIPE_FAULT_HELD": str(held)}
 
 
 def start(repo: Path, *cmd: str, env_extra: dict | None = None,

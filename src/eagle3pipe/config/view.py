@@ -14,6 +14,7 @@ from typing import Any
 from eagle3pipe.config import dvcfile
 from eagle3pipe.config import params as P
 from eagle3pipe.errors import Error, ParamsAt
+from eagle3pipe.runtime import environment
 
 
 class UndeclaredParamError(Error, KeyError):
@@ -26,11 +27,9 @@ _READS: dict[str, set[str]] = {}
 
 def _trace_reads() -> None:
     """$EAGLE3PIPE_PARAMS_TRACE: the keys each stage really read (tests check none is unread)."""
-    out = os.environ.get("EAGLE3PIPE_PARAMS_TRACE")
-    if out and _READS:
-        with open(out, "a") as fh:
-            for stage, keys in sorted(_READS.items()):
-                fh.write(json.dumps({"stage": stage, "keys": sorted(keys)}) + "\n")
+    for stage, keys in sorted(_READS.items()):
+        environment.append_line(environment.PARAMS_TRACE,
+                                json.dumps({"stage": stage, "keys": sorted(keys)}))
 
 
 atexit.register(_trace_reads)

@@ -40,21 +40,20 @@ from typing import Any, Callable
 
 from eagle3pipe.config import dvcfile
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.units import human, parse_size
 
 log = logging.getLogger("eagle3pipe.data.store")
 
 STORE_VERSION = 1
-STORE_ENV = "EAGLE3PIPE_STORE"
-BOUND_ENV = "EAGLE3PIPE_STORE_MAX_BYTES"
 DEFAULT_BOUND = "50G"  # like ccache's max_size: a machine setting, so not in params.yaml
 DEFAULT_ROOT = ".eagle3pipe/data/store"
 KINDS = {"dataset": ".json", "hidden": ".safetensors"}
 
 
 def root() -> Path:
-    return Path(os.environ.get(STORE_ENV) or DEFAULT_ROOT).resolve()
+    return (environment.path(environment.STORE) or Path(DEFAULT_ROOT)).resolve()
 
 
 def key(**parts: Any) -> str:
@@ -149,14 +148,11 @@ def record(stage: str, computed: int, reused: int, skipped: int, total: int,
 
 def bound() -> tuple[int, str]:
     """The store's size bound in bytes and where it came from."""
-    text = os.environ.get(BOUND_ENV)
-    if not text:
-        return parse_size(DEFAULT_BOUND), f"the default {DEFAULT_BOUND}; set ${BOUND_ENV}"
-    try:
-        return parse_size(text), f"${BOUND_ENV}={text}"
-    except ValueError as e:
-        raise Error(f"${BOUND_ENV}: {e}", fix=f"set it to a size such as 50G, or unset it for "
-                    f"the default {DEFAULT_BOUND}") from None
+    name = environment.STORE_MAX_BYTES
+    n = environment.size(name, unset=f"the default {DEFAULT_BOUND}")
+    if n is None:
+        return parse_size(DEFAULT_BOUND), f"the default {DEFAULT_BOUND}; set ${name}"
+    return n, f"${name}={environment.text(name)}"
 
 
 def enforce_bound(repo: Path = Path(".")) -> dict:

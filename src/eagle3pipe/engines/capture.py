@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.tensorfile import read_header
-from eagle3pipe.runtime.units import human, parse_size
+from eagle3pipe.runtime import environment
+from eagle3pipe.runtime.units import human
 
 FLUSH_TIMEOUT_S = 120.0
 
@@ -98,7 +99,6 @@ def storage_dir(parent: Path) -> tempfile.TemporaryDirectory:
 # The transformers oracle: the same capture semantics with forward pre-hooks
 
 
-MEMORY_ENV = "EAGLE3PIPE_ORACLE_MEMORY"  # a machine setting, like the store's bound
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -108,13 +108,10 @@ def oracle_budget() -> tuple[int | None, str]:
     None when neither is known."""
     import os
 
-    text = os.environ.get(MEMORY_ENV, "").strip()
-    if text:
-        try:
-            return parse_size(text), f"${MEMORY_ENV}={text}"
-        except ValueError as e:
-            raise CaptureError(f"${MEMORY_ENV}: {e}", fix="set it to a size such as 64G, or "
-                               "unset it for half the host's free memory") from None
+    name = environment.ORACLE_MEMORY
+    n = environment.size(name, unset="half the host's free memory", error=CaptureError)
+    if n is not None:
+        return n, f"${name}={environment.text(name)}"
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

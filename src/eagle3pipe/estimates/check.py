@@ -16,20 +16,18 @@ from eagle3pipe.config import params as P
 from eagle3pipe.errors import Error, Problem
 from eagle3pipe.estimates.figures import Estimate, cuda_available, figures
 from eagle3pipe.estimates.stages import ESTIMATES
+from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.disk import free_bytes
 from eagle3pipe.runtime.units import human
 from eagle3pipe.verifier.handle import VerifierConfigError, find_config
-
-FREE_BYTES_ENV = "EAGLE3PIPE_FREE_BYTES"  # what-if (and tests): the free disk to plan against
-
 
 def disk_problem(bytes_needed: int, path: str | Path, key: str) -> Problem | None:
     """The problem when `bytes_needed` exceed the free disk where `path` (or its nearest
     existing parent) lives; None when it fits. $EAGLE3PIPE_FREE_BYTES stands in for the measured
     free space."""
     where, free = free_bytes(path)
-    if os.environ.get(FREE_BYTES_ENV):
-        free = int(os.environ[FREE_BYTES_ENV])
+    what_if = environment.size(environment.FREE_BYTES, unset="the measured free space")
+    free = free if what_if is None else what_if
     if bytes_needed <= free:
         return None
     return Problem(str(path), None, key, f"needs {human(bytes_needed)} but {where} has "

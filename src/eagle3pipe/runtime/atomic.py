@@ -8,9 +8,8 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from eagle3pipe.errors import Error
 
@@ -91,26 +90,20 @@ def _sweep(path: Path) -> None:
                 e.unlink()
 
 
+# called with each output's path just before it is renamed into place, everything written:
+# empty in a run; the fault tests hold a writer here (tests/helpers/site/sitecustomize.py)
+BEFORE_PUBLISH: list[Callable[[Path], None]] = []
+
+
 def _before_publish(path: Path) -> None:
     """The last step before an output is renamed into place. Refuses to publish for a stage
-    whose launcher is gone (see bind_to_launcher). Test hook (tests/test_faults.py): with
-    EAGLE3PIPE_FAULT_HOLD=<this output's path> the writer creates the file named by
-    EAGLE3PIPE_FAULT_HELD and waits here, everything written and nothing published, to be
-    killed."""
+    whose launcher is gone (see bind_to_launcher); then BEFORE_PUBLISH."""
     if _LAUNCHER is not None and os.getppid() != _LAUNCHER:
         raise Error(f"{path}: not published: the process that started this stage (pid "
                     f"{_LAUNCHER}) is gone, so nothing would record this output",
                     fix="rerun `dvc repro`")
-    hold = os.environ.get("EAGLE3PIPE_FAULT_HOLD")
-    if hold and Path(hold).resolve() == path.resolve():
-        marker = os.environ.get("EAGLE3PIPE_FAULT_HELD")
-        if marker:
-            Path(marker).write_text(f"{os.getpid()}\n")
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-        raise Error(f"{path}: EAGLE3PIPE_FAULT_HOLD held it for 600 s and nothing killed the "
-                    "stage", fix="unset EAGLE3PIPE_FAULT_HOLD (a test hook)")
+    for hook in BEFORE_PUBLISH:
+        hook(path)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -39,6 +39,7 @@ from eagle3pipe.config import dvcfile
 from eagle3pipe.config.view import StageView, for_stage
 from eagle3pipe.errors import EXIT_INPUT, EXIT_OK, Error
 from eagle3pipe.estimates.check import check as check_estimate
+from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.atomic import bind_to_launcher
 from eagle3pipe.runtime.disk import disk_full, free_bytes
 from eagle3pipe.runtime.jsonio import write_json
@@ -48,10 +49,7 @@ from eagle3pipe.runtime.units import human
 def record_run(stage: str) -> None:
     """Appends the stage name to $EAGLE3PIPE_RUN_LOG, if set: the tests' record of which stage
     commands DVC really executed (as opposed to skipped or restored from its run-cache)."""
-    log = os.environ.get("EAGLE3PIPE_RUN_LOG")
-    if log:
-        with open(log, "a") as fh:
-            fh.write(stage + "\n")
+    environment.append_line(environment.RUN_LOG, stage)
 
 
 class Paths(argparse.Namespace):

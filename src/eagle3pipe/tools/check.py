@@ -131,8 +131,8 @@ def vllm_uses(field: str, ref: dict, verifier_num_layers: int) -> tuple[Any, str
     vLLM 0.32 loads `ref` (a flattened reference config): the reference's value where it states
     one, else vLLM's fallback. vLLM reads the flat config through transformers' LlamaConfig
     (or its model_type's, Qwen3Config for qwen3): plain fields fall back to that class's
-    defaults (transformers/models/llama/configuration_llama.py), rope_theta to rope_parameters.rope_theta
-    or RotaryEmbeddingConfigMixin.default_theta (modeling_rope_utils.py), rope_scaling to none;
+    defaults (transformers/models/llama/configuration_llama.py), rope_theta to
+    rope_parameters.rope_theta or RotaryEmbeddingConfigMixin.default_theta (modeling_rope_utils.py), rope_scaling to none;
     the EAGLE-3 fields to VLLM_READS' values (llama_eagle3.py) or _DERIVED; the aux ids as in
     _aux_fallback. (ABSENT, why) where vLLM has no fallback (it cannot load such a config)."""
     if field in ref:

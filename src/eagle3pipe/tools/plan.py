@@ -33,11 +33,11 @@ from eagle3pipe.data import store
 from eagle3pipe.data.online import PREFETCH_PACKS
 from eagle3pipe.draft.arch import NUM_AUX
 from eagle3pipe.errors import Problem
+from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.disk import free_bytes
 from eagle3pipe.runtime.units import GiB, human, parse_size
 from eagle3pipe.estimates import figures as E
 from eagle3pipe.estimates import stages as estimate
-from eagle3pipe.estimates.check import FREE_BYTES_ENV
 from eagle3pipe.verifier.handle import read_config
 from eagle3pipe.verifier.preflight import eagle3_limit
 
@@ -162,8 +162,8 @@ def _free(path: Path, disk: int | None) -> tuple[str, int]:
     if disk is not None:
         return "--disk", disk
     where, free = free_bytes(path)
-    what_if = os.environ.get(FREE_BYTES_ENV)
-    return str(where), int(what_if) if what_if else free
+    what_if = environment.size(environment.FREE_BYTES, unset="the measured free space")
+    return str(where), free if what_if is None else what_if
 
 
 def _shown(path: Path) -> Path:
@@ -223,7 +223,7 @@ def modes_of(params: Params, f: E.Figures, artifacts: str | Path,
         _, free = _free(at, disk)
         modes.append(Mode(name, endpoint, engine, need, str(at), device, host, forwards, free,
                           need <= free, (name, endpoint) == chosen))
-    bound = os.environ.get(store.BOUND_ENV) or store.DEFAULT_BOUND
+    bound = environment.text(environment.STORE_MAX_BYTES) or store.DEFAULT_BOUND
     try:
         bound = human(parse_size(bound))
     except ValueError:  # the data stages refuse it; the report shows it as written
@@ -236,7 +236,7 @@ def modes_of(params: Params, f: E.Figures, artifacts: str | Path,
              f"{t.nproc_per_node} processes x {t.batch_tokens} tokens (train.batch_tokens) = "
              f"{human(window)}",
              f"hybrid keeps {human(ex.disk_bytes)} in the per-sample store {kept} "
-             f"(${store.STORE_ENV}), which ${store.BOUND_ENV} bounds (now {bound})",
+             f"(${environment.STORE}), which ${environment.STORE_MAX_BYTES} bounds (now {bound})",
              f"same devices: the engine ({human(ex.device_bytes)}) and the trainer "
              f"({human(tr.device_bytes or tr.host_bytes)}) at once; at extract.endpoint the "
              f"engine's {ex.processes} ranks run on the inference nodes"]
@@ -315,7 +315,7 @@ def build(params: Params, verifier_config: str | Path, *, gpu: bool | None = Non
     measured = dict(_free(Path(m.disk_at), None) for m in modes)
     disk_from = f"{human(disk)} (--disk)" if disk is not None else ", ".join(
         f"{human(free)} at {where}" for where, free in measured.items()) + (
-        f" (${FREE_BYTES_ENV})" if os.environ.get(FREE_BYTES_ENV) else "")
+        f" (${environment.FREE_BYTES})" if environment.text(environment.FREE_BYTES) else "")
     assumptions = [f"verifier weights: {f.verifier_from}", counted,
                    "training memory and activations are estimates"]
     return Plan(P.source_of(params), str(cfg_file), f.model_type, f.hidden_size, gpu, device,

@@ -39,10 +39,11 @@ def run(name: str, seed: int) -> None:
 
 
 def rows() -> list[str]:
-    """One Markdown row per experiment of `dvc exp show --json`, from the metrics files of its
-    git commit (exp show flattens away the per-position lists)."""
-    shown = json.loads(subprocess.run(["dvc", "exp", "show", "--json"], check=True,
-                                      capture_output=True, text=True).stdout)
+    """One Markdown row per experiment of `dvc exp show --json --all-commits` (the seeds may
+    have run on several commits of the same outputs), from the metrics files of its git commit
+    (exp show flattens away the per-position lists)."""
+    shown = json.loads(subprocess.run(["dvc", "exp", "show", "--json", "--all-commits"],
+                                      check=True, capture_output=True, text=True).stdout)
     out = []
     for commit in shown:
         for exp in commit.get("experiments") or []:

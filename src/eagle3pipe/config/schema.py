@@ -165,6 +165,9 @@ class TrainParams:
                      "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "
                      "lk_hybrid", choices=LOSSES)
     eval_every: int = spec("steps between eval-loss logs", min=1)
+    checkpoint_every: int = spec("steps between checkpoints (0: only when stopped by SIGTERM or "
+                                 "SIGINT); `dvc repro` after a crash resumes from the newest "
+                                 "one of the same inputs and params", min=0)
     cpu_chunk_tokens: int = spec("on CPU, a packed batch runs as micro-batches of at most this "
                                  "many tokens with gradient accumulation (the sdpa mask is "
                                  "quadratic in a pack's length); unused on cuda", min=16)

@@ -239,10 +239,11 @@ def check_manifest(m: Manifest, num_slots: int, hidden_size: int) -> None:
 
 def plan_of(s) -> tuple[list[list[str]], int]:
     """The keys a TrainState reads, pack by pack, in order: the eval packs (evaluated at step 0
-    and then every eval_every steps), then the steps fit() runs. Returns (plan, eval packs)."""
+    and then every eval_every steps), then the steps fit() runs from s.step (past 0 when it
+    resumes a checkpoint). Returns (plan, eval packs)."""
     ev, tr = s.eval.ds.transfer.keys, s.train.ds.transfer.keys
     plan = [[ev[i] for i in pack] for pack in s.eval_packs]
-    steps = [idx for packs in s.per_epoch for idx in packs][:s.limit]
+    steps = [idx for packs in s.per_epoch for idx in packs][s.step:s.limit]
     return plan + [[tr[i] for i in idx] for idx in steps], len(plan)
 
 

@@ -63,19 +63,24 @@ def extract(params: Params, f: Figures) -> Estimate:
 
 
 def train(params: Params, f: Figures) -> Estimate:
-    """Per process: the draft's weights, grads and AdamW state, plus activations."""
+    """Per process: the draft's weights, grads and AdamW state, plus activations. On disk: the
+    checkpoint (float32 weights and AdamW's two moments), twice while the next one is written
+    beside it (stages/train_checkpoint.py), and the output."""
     t = params.train
+    checkpoint = f.draft_params * 3 * 4
     act = t.batch_tokens * t.ttt_steps * f.activation_floats * 4
     per_process = f.draft_params * ADAMW_BYTES_PER_PARAM + act
     train_tokens = int(f.tokens * (1 - params.dataset.eval_fraction)) * t.epochs
     on_gpu = t.device == "cuda"
     return Estimate(
         "train", f"torchrun x{t.nproc_per_node} ({t.device})", t.nproc_per_node, train_tokens,
-        f.train_bytes, per_process if on_gpu else None,
+        f.train_bytes + 2 * checkpoint, per_process if on_gpu else None,
         None if on_gpu else per_process * t.nproc_per_node,
         [f"estimate: {f.draft_params:,} params x {ADAMW_BYTES_PER_PARAM} B (weights, grads, "
          f"AdamW) + activations {t.batch_tokens} tokens x {t.ttt_steps} TTT steps x "
-         f"{f.activation_floats:,} floats x 4 B = {human(act)}"],
+         f"{f.activation_floats:,} floats x 4 B = {human(act)}",
+         f"disk: the output and up to 2 checkpoints of {human(checkpoint)} (weights and AdamW "
+         "moments, float32) in .eagle3pipe/checkpoints"],
         sized_by="draft (its size) and train.epochs")
 
 

@@ -95,10 +95,10 @@ def _sweep(path: Path) -> None:
 BEFORE_PUBLISH: list[Callable[[Path], None]] = []
 
 
-def _before_publish(path: Path) -> None:
-    """The last step before an output is renamed into place. Refuses to publish for a stage
-    whose launcher is gone (see bind_to_launcher); then BEFORE_PUBLISH."""
-    if _LAUNCHER is not None and os.getppid() != _LAUNCHER:
+def _before_publish(path: Path, output: bool = True) -> None:
+    """The last step before an output is renamed into place. Refuses to publish a stage output
+    (`output`) for a stage whose launcher is gone (see bind_to_launcher); then BEFORE_PUBLISH."""
+    if output and _LAUNCHER is not None and os.getppid() != _LAUNCHER:
         raise Error(f"{path}: not published: the process that started this stage (pid "
                     f"{_LAUNCHER}) is gone, so nothing would record this output",
                     fix="rerun `dvc repro`")
@@ -127,10 +127,11 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
+def atomic_dir(path: str | Path, *, output: bool = True) -> Iterator[Path]:
     """Yields a temporary sibling directory; on success it replaces `path` whole, on failure it
     is removed, so a killed or failed run never leaves a half-written output behind (and what
-    a killed one left beside it is removed by the next writer of `path`)."""
+    a killed one left beside it is removed by the next writer of `path`). `output` False: not
+    a stage output (a training checkpoint), written even once the stage's launcher is gone."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep(path)
@@ -139,7 +140,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp.chmod(0o755)
     try:
         yield tmp
-        _before_publish(path)
+        _before_publish(path, output)
         if path.exists() or path.is_symlink():
             old = path.with_name(f".{path.name}.{os.getpid()}.old")
             _remove(old)

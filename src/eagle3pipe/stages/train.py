@@ -11,6 +11,9 @@ Inputs (all produced by earlier stages):
   artifacts/verifier                 embeddings, lm_head rows and final norm come from here
   artifacts/hidden/{train,eval}      speculators datapaths (ArrowDataset layout)
   artifacts/vocab/vocab_map.safetensors   d2t (offsets) and t2d
+Checkpoints: every train.checkpoint_every steps and when stopped by SIGTERM/SIGINT, under a key
+of the stage's inputs and params (eagle3pipe.stages.train_checkpoint); the next run of the same
+key resumes from the newest, with the same bytes at the end as a run never stopped.
 Outputs:
   artifacts/train/{model.safetensors, config.json}   float32, speculators layout, exactly the
                                                      tensors of arch.contract(arch, "speculators")
@@ -55,6 +58,15 @@ from eagle3pipe.runtime.distributed import (
 )
 from eagle3pipe.runtime.seeds import seed_everything
 from eagle3pipe.stages.runner import Paths
+from eagle3pipe.stages.train_checkpoint import ROOT as CHECKPOINTS
+from eagle3pipe.stages.train_checkpoint import (
+    Checkpoints,
+    after_step,
+    key_of,
+    restore_metrics,
+    resume,
+    stop_requests,
+)
 from eagle3pipe.stages.train_metrics import Metrics
 from eagle3pipe.stages.train_model import (
     build_model,
@@ -266,11 +278,13 @@ def evaluate(s: TrainState) -> dict[str, float]:
     return out
 
 
-def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
-        progress: bool) -> dict[str, Any]:
+def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path, progress: bool,
+        checkpoints: Checkpoints | None = None,
+        resumed: tuple[Path, dict] | None = None) -> dict[str, Any]:
     """speculators' Trainer.run_training: run_epochs() with rank 0's dvclive writing
-    metrics_dir, then rank 0 writes out_dir; both atomic. Returns run_epochs()'s last
-    evaluated point."""
+    metrics_dir, then rank 0 writes out_dir; both atomic. `resumed`: the checkpoint restore()
+    put back into `s` and its (path, saved point), whose metrics files it continues. Returns
+    run_epochs()'s last evaluated point."""
     log.info("train: %d samples, %d steps (%d epochs x %d packs of <= %d tokens), %d eval "
              "packs, device %s x %d, attention %s, loss %s (%s)", len(s.train.lengths),
              s.limit, s.p.epochs, len(s.per_epoch[0]), s.p.batch_tokens, len(s.eval_packs),
@@ -279,9 +293,15 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
     # checkpoint: a killed run leaves no partial metrics/train/ (runtime.atomic_dir)
     with lost_peers(s.d):  # a dead node's peers: one message, nothing published
         with atomic_dir(metrics_dir) if s.d.main else nullcontext(None) as live_dir:
-            metrics = Metrics(live_dir)
+            summary = None
+            if resumed is not None and live_dir is not None:
+                restore_metrics(resumed[0], live_dir)
+                summary = resumed[1]["summary"]
+            metrics = Metrics(live_dir, summary)
             metrics.init_from(s.init)
-            last = run_epochs(s, metrics, progress=progress)
+            last = run_epochs(s, metrics, progress=progress, checkpoints=checkpoints,
+                              last=None if resumed is None else resumed[1]["last"],
+                              live_dir=live_dir)
             metrics.end()
         if s.d.main:
             save_checkpoint(s.core, s.arch, out_dir)
@@ -289,23 +309,28 @@ def fit(s: TrainState, out_dir: str | Path, *, metrics_dir: str | Path,
     return last
 
 
-def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool) -> dict[str, Any]:
+def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool,
+               checkpoints: Checkpoints | None = None, last: dict[str, Any] | None = None,
+               live_dir: Path | None = None) -> dict[str, Any]:
     """The body of speculators' Trainer.run_training: eval at step 0, the epochs of step()s
-    with an eval every p.eval_every steps and at the last, each logged to `metrics`. Returns
-    the last evaluated point {epoch, step, train_loss, eval}."""
+    with an eval every p.eval_every steps and at the last, each logged to `metrics`; from
+    s.step on when resuming (`last`: the point the checkpoint saved). A checkpoint every
+    p.checkpoint_every steps and when SIGTERM/SIGINT stop it (then Stopped). Returns the last
+    evaluated point {epoch, step, train_loss, eval}."""
     from tqdm import tqdm
 
-    ev = evaluate(s)
-    log.info("step 0: eval loss %.4f", ev["loss"])
-    metrics.eval(0, ev)
-    last: dict[str, Any] = {"step": 0, "eval": ev}
-    bar = tqdm(total=s.limit, desc="train", disable=not (progress and s.d.main), mininterval=1.0)
+    if last is None:
+        ev = evaluate(s)
+        log.info("step 0: eval loss %.4f", ev["loss"])
+        metrics.eval(0, ev)
+        last = {"step": 0, "eval": ev}
+    bar = tqdm(total=s.limit, initial=s.step, desc="train",
+               disable=not (progress and s.d.main), mininterval=1.0)
+    order = [(epoch, idx) for epoch, packs in enumerate(s.per_epoch) for idx in packs]
     s.model.train()
-    try:
-        for epoch, packs in enumerate(s.per_epoch):
-            for idx in packs:
-                if s.step >= s.limit:
-                    break
+    with stop_requests() as flag:
+        try:
+            for epoch, idx in order[s.step:s.limit]:
                 loss, lr = step(s, idx)
                 s.after_step(idx)
                 bar.update(1)
@@ -318,30 +343,42 @@ def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool) -> dict[str, 
                              [round(ev[f"acc_pos{i}"], 3) for i in range(s.p.ttt_steps)])
                     metrics.eval(s.step, ev)
                     last = {"epoch": epoch, "step": s.step, "train_loss": loss, "eval": ev}
-    finally:
-        bar.close()
+                after_step(s, flag, metrics, checkpoints, last, live_dir)
+        finally:
+            bar.close()
     return last
 
 
 def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
           vocab: str | Path, out_dir: str | Path, *, metrics_dir: str | Path, progress: bool,
           max_steps: int | None = None, run: dict[str, Any] | None = None,
-          record_to: Path | None = None) -> dict[str, Any]:
-    """setup() then fit(): trains the draft from the stage's input files into out_dir and
-    metrics_dir; on demand, while data.online.supply's engine computes the hidden states
-    (`run`: its run-only settings, StageView.run_setting). Returns fit()'s last point."""
+          record_to: Path | None = None, checkpoints: Checkpoints | None = None
+          ) -> dict[str, Any]:
+    """setup(), the newest checkpoint of `checkpoints` put back (if any), then fit(): trains
+    the draft from the stage's input files into out_dir and metrics_dir; on demand, while
+    data.online.supply's engine computes the hidden states from the step it resumes at (`run`:
+    its run-only settings, StageView.run_setting). Once published, the checkpoints go.
+    Returns fit()'s last point."""
     state = setup(p, draft_config, verifier, hidden, vocab, max_steps=max_steps)
+    resumed = resume(state, checkpoints)
     with online.supply(state, verifier, run or {}, threads=p.threads, record_to=record_to):
-        return fit(state, out_dir, metrics_dir=metrics_dir, progress=progress)
+        last = fit(state, out_dir, metrics_dir=metrics_dir, progress=progress,
+                   checkpoints=checkpoints, resumed=resumed)
+    if checkpoints is not None and state.d.main:
+        checkpoints.remove()
+    return last
 
 
 def run(params: StageView, paths: Paths) -> None:
     """The stage (eagle3pipe.stages.runner.main): paths.draft_config, .verifier, .hidden, .vocab ->
     paths.out; dvclive writes metrics/train/."""
-    final = train(params.train, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
+    p = params.train
+    key = key_of(p, paths.dvc_yaml)
+    final = train(p, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
                   paths.out, metrics_dir="metrics/train", progress=paths.progress,
                   run={k: params.run_setting(k) for k in RUN_ONLY},
-                  record_to=store.counts_path("train", paths.dvc_yaml))
+                  record_to=store.counts_path("train", paths.dvc_yaml),
+                  checkpoints=Checkpoints(key, Path(paths.dvc_yaml).parent / CHECKPOINTS))
     ev = final.get("eval", {})
     log.info("%s written; step %s, eval loss %.4f, acceptance length (training estimate) %.2f",
              paths.out, final.get("step"), ev.get("loss", float("nan")),

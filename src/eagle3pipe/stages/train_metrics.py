@@ -2,16 +2,25 @@
 per-step plots dvc.yaml declares)."""
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 
 class Metrics:
     """dvclive on rank 0 (`metrics_dir` None elsewhere: every call is then a no-op); values
-    rounded to 6 significant digits. Creating it clears the old plots."""
+    rounded to 6 significant digits. Creating it clears the old plots, unless it resumes a run:
+    `summary` is then what summary() returned at the checkpoint, and the plots are the
+    checkpoint's (train_checkpoint.restore_metrics), appended to from here."""
 
-    def __init__(self, metrics_dir: str | Path | None):
-        self.live = None if metrics_dir is None else _live(metrics_dir)
+    def __init__(self, metrics_dir: str | Path | None, summary: dict | None = None):
+        if metrics_dir is not None and summary is not None:
+            (Path(metrics_dir) / "metrics.json").write_text(json.dumps(summary))
+        self.live = None if metrics_dir is None else _live(metrics_dir, summary is not None)
+
+    def summary(self) -> dict | None:
+        """The latest value of every metric so far, in the order dvclive writes them."""
+        return None if self.live is None else json.loads(json.dumps(self.live.summary))
 
     def _log(self, step: int, values: dict[str, float]) -> None:
         if self.live is not None:
@@ -36,7 +45,7 @@ class Metrics:
             self.live.end()
 
 
-def _live(metrics_dir: str | Path):
+def _live(metrics_dir: str | Path, resume: bool):
     """dvclive writer: metrics.json (latest values, no timestamps) and per-step TSV plots under
     <metrics_dir>/plots/metrics/ (it clears old plots first). No dvc.yaml of its own, no
     experiment saving, and no DVC repo access at all: outside a DVC repo, dvclive 3.49's
@@ -49,4 +58,4 @@ def _live(metrics_dir: str | Path):
         def _init_dvc(self) -> None:  # no Repo(), no Repo.init(), no experiment
             self._dvc_file = "dvc.yaml"
 
-    return FilesOnlyLive(dir=str(metrics_dir), save_dvc_exp=False, dvcyaml=None)
+    return FilesOnlyLive(dir=str(metrics_dir), save_dvc_exp=False, dvcyaml=None, resume=resume)

@@ -134,11 +134,22 @@ def cmd_gc(args) -> int:
           f"{r['removed']} unreferenced ({r['freed_bytes']:,} bytes); {r['bytes_after']:,} "
           f"bytes left; {r['referenced']} keys referenced by dvc.lock, experiments or the "
           "workspace")
+    _gc_checkpoints(Path(args.repo), verb, dry_run=args.dry_run)
     if r["over_bound"]:
         raise Error(f"the referenced entries alone exceed --max-bytes {args.max_bytes:,}",
                     fix="raise the bound, or drop old experiments (`dvc exp remove`) and "
                     "commits' outputs you no longer need")
     return EXIT_OK
+
+
+def _gc_checkpoints(repo: Path, verb: str, *, dry_run: bool) -> None:
+    """The train stage's checkpoints of every key but the workspace's current one."""
+    from eagle3pipe.stages import train_checkpoint as ck
+
+    keep = ck.key_of(params.load(repo / "params.yaml").train, repo / "dvc.yaml")
+    gone = ck.remove_stale(keep, repo / ck.ROOT, dry_run=dry_run)
+    print(f"checkpoints {repo / ck.ROOT}: {verb} {len(gone)} of other inputs or params; kept "
+          f"{keep} (the current params and inputs) if present")
 
 
 def cmd_serve(args) -> int:

@@ -80,6 +80,7 @@ CASES = [
     _case("  snippet_lines: [4, 12]    # prompts", "  snippet_lines: [0, 4]",
           "smoke.snippet_lines", "1 <= min"),
     _case("  cpu_chunk_tokens:", "  cpu_chunk_tokens: 8", "train.cpu_chunk_tokens", ">="),
+    _case("  checkpoint_every:", "  checkpoint_every: -50", "train.checkpoint_every", ">="),
     _case("  min_acceptance_length:", "  min_acceptance_length: 0.5",
           "smoke.min_acceptance_length", ">="),
     _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",

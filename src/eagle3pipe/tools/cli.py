@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eagle3pipe.config import params
 from eagle3pipe.config.schema import Params
-from eagle3pipe.draft import formats, serving
+from eagle3pipe.draft import formats, parsing, serving
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, Error
@@ -41,7 +41,7 @@ def cmd_render(args) -> int:
 def _reference(args, files: dict[str, str], verifier_num_layers: int) -> list[str]:
     """Prints the field-by-field comparison with a published config, against our rendered
     config of the same layout (flat or speculators'); its problems."""
-    ref = read_json_object(args.reference, formats.ConfigError,
+    ref = read_json_object(args.reference, parsing.ConfigError,
                            "pass a published EAGLE-3 draft config.json", "reference config")
     ours = "speculators/config.json" if check.SPECULATORS_KEY in ref else "vllm/config.json"
     rows, found = check.compare_reference(json.loads(files[ours]), ref,

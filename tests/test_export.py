@@ -157,7 +157,7 @@ def test_a_missing_field_is_refused_not_defaulted(exported, tmp_path):
     file and the key, in the trained checkpoint's config and in configs/ alike."""
     import shutil
 
-    from eagle3pipe.draft.formats import ConfigError
+    from eagle3pipe.draft.parsing import ConfigError
 
     ckpt = tmp_path / "train"
     shutil.copytree(exported.root / "train", ckpt)

@@ -1,7 +1,7 @@
-"""formats.py: each layout that describes the draft (draft_config.json, speculators' nested config,
-the flat vLLM one) parses back to the architecture it was rendered from, and a file that lacks a
-field, or holds it with the wrong type, is an error naming the file and the key: never a default.
-Real speculators config classes render; nothing is mocked."""
+"""formats.py and parsing.py: each layout that describes the draft (draft_config.json,
+speculators' nested config, the flat vLLM one) parses back to the architecture it was rendered
+from, and a file that lacks a field, or holds it with the wrong type, is an error naming the file
+and the key: never a default. Real speculators config classes render; nothing is mocked."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +14,7 @@ import pytest
 from helpers import drafts
 from helpers.micro import ROOT
 from eagle3pipe.draft import formats as F
+from eagle3pipe.draft import parsing
 from eagle3pipe.config import params as P
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.errors import Error
@@ -60,8 +61,8 @@ def rendered(arch, verifier: dict) -> dict[str, str]:
 
 def parse(layout: str, cfg: dict, source: str, arch, **kw):
     if layout == "draft_config":
-        return F.parse_draft_config(cfg, source, dtype=kw.pop("dtype", arch.dtype), **kw)
-    fn = F.parse_speculators if layout == "speculators" else F.parse_flat
+        return parsing.parse_draft_config(cfg, source, dtype=kw.pop("dtype", arch.dtype), **kw)
+    fn = parsing.parse_speculators if layout == "speculators" else parsing.parse_flat
     return fn(cfg, source, verifier_num_layers=arch.verifier_num_layers, **kw)
 
 
@@ -81,14 +82,15 @@ def test_every_layout_parses_back_to_the_arch_it_renders(tmp_path, name):
     files = rendered(arch, verifier)
     for layout, rel in LAYOUT_FILES.items():
         back = parse(layout, json.loads(files[rel]), rel, arch)
-        assert back == arch, (layout, F.differences(back, arch))
+        assert back == arch, (layout, parsing.differences(back, arch))
     # through the files the configs stage writes, read as training and export read them
     F.write(files, tmp_path / "configs")
-    assert F.read_draft_config(tmp_path / "configs/draft_config.json") == \
+    assert parsing.read_draft_config(tmp_path / "configs/draft_config.json") == \
         replace(arch, dtype=F.TRAINED_DTYPE)
     for layout in ("speculators", "vllm"):
         path = tmp_path / "configs" / LAYOUT_FILES[layout]
-        raw, back, found = F.read_config_file(path, verifier_num_layers=arch.verifier_num_layers)
+        raw, back, found = parsing.read_config_file(path,
+                                                    verifier_num_layers=arch.verifier_num_layers)
         assert (raw, back, found) == (path.read_bytes(), arch, layout)
 
 
@@ -98,7 +100,7 @@ def test_the_archs_differ_where_the_files_must_keep_them_apart(tmp_path):
     for name in sorted(ARCHS):
         (tmp_path / name).mkdir()
         archs.append(make_arch(tmp_path / name, name)[0])
-    changed = {f for a in archs[1:] for f, _, _ in F.differences(archs[0], a)}
+    changed = {f for a in archs[1:] for f, _, _ in parsing.differences(archs[0], a)}
     assert {"head_dim", "num_attention_heads", "norm_before_residual", "aux_layer_ids",
             "rope_scaling", "rope_theta", "rms_norm_eps", "dtype", "hidden_act",
             "max_position_embeddings", "draft_vocab_size", "bos_token_id", "eos_token_id",
@@ -129,8 +131,9 @@ def test_legacy_rope_type_key_compares_equal_across_layouts(tmp_path):
     flat = parse("vllm", json.loads(files["vllm/config.json"]), "v", arch)
     assert spec.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert flat == arch
-    assert F.differences(spec, flat) == []
-    assert F.differences(spec, replace(flat, rope_scaling={"type": "linear", "factor": 4.0})) \
+    assert parsing.differences(spec, flat) == []
+    assert parsing.differences(spec, replace(flat, rope_scaling={"type": "linear",
+                                                                  "factor": 4.0})) \
         == [("rope_scaling", {"rope_type": "linear", "factor": 2.0},
              {"rope_type": "linear", "factor": 4.0})]
 
@@ -155,13 +158,13 @@ def _edit(cfg: dict, key: str, value=_DELETE) -> dict:
     return cfg
 
 
-NEEDED = [(layout, key) for layout in LAYOUT_FILES for key in F.KEYS[layout].values()]
+NEEDED = [(layout, key) for layout in LAYOUT_FILES for key in parsing.KEYS[layout].values()]
 
 
 @pytest.mark.parametrize("layout,key", NEEDED, ids=[f"{lay}:{k}" for lay, k in NEEDED])
 def test_a_missing_key_is_an_error_naming_file_and_key(micro, layout, key):
     arch, cfgs = micro
-    with pytest.raises(F.ConfigError) as e:
+    with pytest.raises(parsing.ConfigError) as e:
         parse(layout, _edit(cfgs[layout], key), f"configs/{LAYOUT_FILES[layout]}", arch)
     msg = str(e.value)
     assert msg.startswith(f"configs/{LAYOUT_FILES[layout]}: missing keys [")
@@ -170,22 +173,23 @@ def test_a_missing_key_is_an_error_naming_file_and_key(micro, layout, key):
 
 
 def test_every_field_is_read_from_each_layout_or_passed_by_the_caller():
-    fields = set(F.ARCH_FIELDS)
-    assert set(F.KEYS["draft_config"]) == fields - {"dtype"}
-    assert set(F.KEYS["speculators"]) == set(F.KEYS["vllm"]) == fields - {"verifier_num_layers"}
+    fields = set(parsing.ARCH_FIELDS)
+    assert set(parsing.KEYS["draft_config"]) == fields - {"dtype"}
+    assert set(parsing.KEYS["speculators"]) == set(parsing.KEYS["vllm"]) \
+        == fields - {"verifier_num_layers"}
 
 
 def test_draft_config_error_text(micro):
     """The text train.load_draft_config gave (the trainer reads through read_draft_config)."""
     arch, cfgs = micro
     cfg = {**_edit(cfgs["draft_config"], "head_dim"), "heads": 2}
-    with pytest.raises(F.ConfigError) as e:
-        F.parse_draft_config(cfg, "c/draft_config.json", dtype="float32")
+    with pytest.raises(parsing.ConfigError) as e:
+        parsing.parse_draft_config(cfg, "c/draft_config.json", dtype="float32")
     assert str(e.value) == ("c/draft_config.json: missing keys ['head_dim']; unknown keys "
                             "['heads']; regenerate it with `dvc repro configs`")
     # a dtype key is tolerated and ignored: the caller's dtype is the one used
-    assert F.parse_draft_config({**cfgs["draft_config"], "dtype": "bfloat16"}, "c",
-                                dtype="float32").dtype == "float32"
+    assert parsing.parse_draft_config({**cfgs["draft_config"], "dtype": "bfloat16"}, "c",
+                                      dtype="float32").dtype == "float32"
 
 
 @pytest.mark.parametrize("layout,key,value,says", [
@@ -205,7 +209,7 @@ def test_draft_config_error_text(micro):
 ])
 def test_a_wrong_type_is_an_error_naming_the_key(micro, layout, key, value, says):
     arch, cfgs = micro
-    with pytest.raises(F.ConfigError, match="^f.json: .*" + re.escape(says)):
+    with pytest.raises(parsing.ConfigError, match="^f.json: .*" + re.escape(says)):
         parse(layout, _edit(cfgs[layout], key, value), "f.json", arch)
 
 
@@ -218,10 +222,11 @@ def test_nullable_fields_accept_null(micro):
 def test_the_flat_configs_redundant_keys_must_agree(micro):
     arch, cfgs = micro
     cfg = _edit(cfgs["vllm"], "rope_parameters.rope_theta", 500000.0)
-    with pytest.raises(F.ConfigError, match=r"rope_parameters is .*500000.0.*, inconsistent with "
-                                            r"rope_scaling and rope_theta"):
+    with pytest.raises(parsing.ConfigError, match=r"rope_parameters is .*500000.0.*, inconsistent "
+                                                  r"with rope_scaling and rope_theta"):
         parse("vllm", cfg, "f", arch)
-    with pytest.raises(F.ConfigError, match="torch_dtype is 'float16', inconsistent with dtype"):
+    with pytest.raises(parsing.ConfigError,
+                       match="torch_dtype is 'float16', inconsistent with dtype"):
         parse("vllm", _edit(cfgs["vllm"], "torch_dtype", "float16"), "f", arch)
     # absent is fine: published flat configs often have only one of them
     assert parse("vllm", _edit(cfgs["vllm"], "rope_parameters"), "f", arch) == arch
@@ -235,33 +240,34 @@ def test_a_given_dtype_fills_only_a_file_that_states_none(micro):
     assert arch.dtype == "float32"
     assert parse("speculators", no_dtype, "t", arch, dtype="float16") == \
         replace(arch, dtype="float16")
-    with pytest.raises(F.ConfigError, match=r"t: dtype is 'float32', but 'bfloat16' is expected"):
+    with pytest.raises(parsing.ConfigError,
+                       match=r"t: dtype is 'float32', but 'bfloat16' is expected"):
         parse("speculators", cfgs["speculators"], "t", arch, dtype="bfloat16")
-    with pytest.raises(F.ConfigError, match=r"missing keys \['dtype'\]"):
+    with pytest.raises(parsing.ConfigError, match=r"missing keys \['dtype'\]"):
         parse("speculators", no_dtype, "t", arch)
 
 
 def test_layout_of_names_the_file():
-    assert F.layout_of({"speculators_model_type": "eagle3"}, "a") == "speculators"
-    assert F.layout_of({"architectures": [F.FLAT_ARCHITECTURE]}, "a") == "vllm"
-    with pytest.raises(F.ConfigError, match=r"^x/config.json: neither speculators' nested"):
-        F.layout_of({"architectures": ["LlamaForCausalLM"]}, "x/config.json")
+    assert parsing.layout_of({"speculators_model_type": "eagle3"}, "a") == "speculators"
+    assert parsing.layout_of({"architectures": [F.FLAT_ARCHITECTURE]}, "a") == "vllm"
+    with pytest.raises(parsing.ConfigError, match=r"^x/config.json: neither speculators' nested"):
+        parsing.layout_of({"architectures": ["LlamaForCausalLM"]}, "x/config.json")
 
 
 def test_read_draft_config_names_file_line_and_fix(tmp_path):
     p = tmp_path / "draft_config.json"
-    with pytest.raises(F.ConfigError, match="draft config not found; regenerate it with"):
-        F.read_draft_config(p)
+    with pytest.raises(parsing.ConfigError, match="draft config not found; regenerate it with"):
+        parsing.read_draft_config(p)
     p.write_text('{\n  "head_dim": 32,\n  oops\n}\n')
-    with pytest.raises(F.ConfigError, match=rf"^{re.escape(str(p))}:3: invalid JSON"):
-        F.read_draft_config(p)
+    with pytest.raises(parsing.ConfigError, match=rf"^{re.escape(str(p))}:3: invalid JSON"):
+        parsing.read_draft_config(p)
 
 
 def test_differences_is_field_by_field(micro):
     arch, _ = micro
     other = replace(arch, head_dim=64, dtype="float16", aux_layer_ids=(0, 1, 2))
-    assert F.differences(arch, other) == [("head_dim", 32, 64), ("aux_layer_ids", [1, 2, 3],
-                                                                  [0, 1, 2]),
-                                          ("dtype", "float32", "float16")]
-    assert F.differences(arch, other, ignore=("dtype", "head_dim", "aux_layer_ids")) == []
-    assert F.differences(arch, replace(arch, aux_layer_ids=[1, 2, 3])) == []
+    assert parsing.differences(arch, other) == [("head_dim", 32, 64),
+                                                ("aux_layer_ids", [1, 2, 3], [0, 1, 2]),
+                                                ("dtype", "float32", "float16")]
+    assert parsing.differences(arch, other, ignore=("dtype", "head_dim", "aux_layer_ids")) == []
+    assert parsing.differences(arch, replace(arch, aux_layer_ids=[1, 2, 3])) == []

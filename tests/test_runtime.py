@@ -26,7 +26,7 @@ def test_broken_generated_json_names_file_line_and_fix(tmp_path, reader, broken)
     assert re.search(re.escape(str(path)) + what, msg), msg
 
 
-@pytest.mark.parametrize("reader", ["extract.read_capture", "formats.read_draft_config",
+@pytest.mark.parametrize("reader", ["extract.read_capture", "parsing.read_draft_config",
                                     "smoke.speculative_tokens"])
 def test_missing_generated_json_names_file_and_fix(tmp_path, reader):
     read, error, rel, fix = READERS[reader]

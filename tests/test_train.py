@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.data import batches
 from eagle3pipe.runtime import distributed
-from eagle3pipe.draft import formats
+from eagle3pipe.draft import formats, parsing
 from eagle3pipe.draft import vocab_map
 from eagle3pipe.stages import train as trainmod
 from eagle3pipe.stages import train_model
@@ -165,8 +165,8 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
     d = json.loads(inputs.draft_config.read_text())
     d.pop("head_dim")
     bad.write_text(json.dumps(d))
-    with pytest.raises(formats.ConfigError, match=r"draft_config\.json.*head_dim"):
-        formats.read_draft_config(bad)
+    with pytest.raises(parsing.ConfigError, match=r"draft_config\.json.*head_dim"):
+        parsing.read_draft_config(bad)
     # a vocab map whose d2t is all zeros loads in vLLM and is wrong: rejected here
     t = load_file(str(inputs.vocab / "vocab_map.safetensors"))
     (tmp_path / "v").mkdir()
@@ -180,7 +180,7 @@ def test_bad_inputs_name_the_file(inputs, tmp_path):
     d["hidden_size"] = d["target_hidden_size"] = 128
     other.write_text(json.dumps(d))
     with pytest.raises(trainmod.TrainInputError, match="hidden_size=128.*stale"):
-        trainmod.check_against_verifier(formats.read_draft_config(other),
+        trainmod.check_against_verifier(parsing.read_draft_config(other),
                                         VerifierInfo.from_config(inputs.verifier))
 
 
@@ -211,7 +211,7 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
     from speculators.train.data import CollateFn
 
     torch.manual_seed(0)
-    a = formats.read_draft_config(inputs.draft_config)
+    a = parsing.read_draft_config(inputs.draft_config)
     d2t, t2d = vocab_map.load(inputs.vocab, a.draft_vocab_size, a.vocab_size)
     model = trainmod.build_model(a, inputs.verifier, d2t, t2d, speculative_tokens=3,
                                  attn_impl="sdpa")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3pipe.draft import formats
+from eagle3pipe.draft import parsing
 from eagle3pipe.stages import extract, smoke_inputs
 from eagle3pipe.verifier import handle as verifier
 
@@ -304,8 +304,8 @@ BAD_VERIFIERS = [
 READERS = {
     "extract.read_capture": (lambda d: extract.read_capture(d / "capture.json"),
                              extract.ExtractError, "capture.json", "dvc repro configs"),
-    "formats.read_draft_config": (lambda d: formats.read_draft_config(d / "draft_config.json"),
-                                  formats.ConfigError, "draft_config.json", "dvc repro configs"),
+    "parsing.read_draft_config": (lambda d: parsing.read_draft_config(d / "draft_config.json"),
+                                  parsing.ConfigError, "draft_config.json", "dvc repro configs"),
     "smoke.speculative_tokens": (lambda d: smoke_inputs.speculative_tokens(d),
                                  smoke_inputs.SmokeError, "speculators/config.json", "dvc repro export"),
     "verifier.read_manifest": (lambda d: verifier.read_manifest(d), verifier.VerifierError,

@@ -106,6 +106,43 @@ def derive(draft: DraftParams, verifier: VerifierInfo, *, params_file: str = "pa
            lines: dict | None = None) -> DraftArch:
     """Derives the draft architecture; cross-checks params against the verifier first."""
     lines = lines or {}
+    problems = _problems_against_verifier(draft, verifier, params_file, lines)
+    if problems:
+        raise ArchError(problems)
+    H = verifier.hidden_size
+    L = verifier.num_hidden_layers
+    arch = DraftArch(
+        hidden_size=H, target_hidden_size=H,
+        num_attention_heads=draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads,
+        head_dim=draft.head_dim,
+        intermediate_size=draft.intermediate_size,
+        vocab_size=verifier.vocab_size,
+        draft_vocab_size=draft.draft_vocab_size,
+        aux_layer_ids=tuple(draft.aux_layer_ids),
+        norm_before_residual=draft.norm_before_residual,
+        norm_before_fc=draft.norm_before_fc, fc_norm=draft.fc_norm,
+        norm_output=draft.norm_output, draft_arch=draft.draft_arch,
+        rope_theta=float(draft.rope_theta),
+        rope_scaling=draft.rope_scaling,
+        rms_norm_eps=float(draft.rms_norm_eps),
+        max_position_embeddings=draft.max_position_embeddings,
+        hidden_act=draft.hidden_act,
+        dtype=draft.dtype,
+        bos_token_id=verifier.bos_token_id,
+        eos_token_id=verifier.eos_token_id,
+        verifier_num_layers=L,
+    )
+    size = size_problem(arch, draft, verifier, params_file, lines)
+    if size:
+        raise ArchError([size])
+    return arch
+
+
+def _problems_against_verifier(draft: DraftParams, verifier: VerifierInfo, params_file: str,
+                               lines: dict) -> list[Problem]:
+    """Every way params' draft section contradicts the verifier or what vLLM and speculators
+    accept, each a Problem naming its key in params_file (all reported at once)."""
     problems: list[Problem] = []
 
     def bad(key: str, msg: str, fix: str) -> None:
@@ -151,34 +188,7 @@ def derive(draft: DraftParams, verifier: VerifierInfo, *, params_file: str = "pa
     if draft.head_dim % 2:
         bad("draft.head_dim", f"must be even for rotary embeddings, got {draft.head_dim}",
             "use an even head_dim")
-    if problems:
-        raise ArchError(problems)
-    arch = DraftArch(
-        hidden_size=H, target_hidden_size=H,
-        num_attention_heads=draft.num_attention_heads,
-        num_key_value_heads=draft.num_key_value_heads,
-        head_dim=draft.head_dim,
-        intermediate_size=draft.intermediate_size,
-        vocab_size=verifier.vocab_size,
-        draft_vocab_size=draft.draft_vocab_size,
-        aux_layer_ids=tuple(ids),
-        norm_before_residual=draft.norm_before_residual,
-        norm_before_fc=draft.norm_before_fc, fc_norm=draft.fc_norm,
-        norm_output=draft.norm_output, draft_arch=draft.draft_arch,
-        rope_theta=float(draft.rope_theta),
-        rope_scaling=draft.rope_scaling,
-        rms_norm_eps=float(draft.rms_norm_eps),
-        max_position_embeddings=draft.max_position_embeddings,
-        hidden_act=draft.hidden_act,
-        dtype=draft.dtype,
-        bos_token_id=verifier.bos_token_id,
-        eos_token_id=verifier.eos_token_id,
-        verifier_num_layers=L,
-    )
-    size = size_problem(arch, draft, verifier, params_file, lines)
-    if size:
-        raise ArchError([size])
-    return arch
+    return problems
 
 
 # which params key sizes each group of contract tensors (the rest: the verifier's sizes)

@@ -3,7 +3,7 @@ tensor check `eagle3pipe check --checkpoint` and the export stage (the trained c
 it is converted, each export after it is written) share.
 
 Tensor names, shapes and dtypes are compared with arch.contract() of the checkpoint's own
-config (formats.read_config_file: no field defaulted) and, where the config's fields differ from
+config (parsing.read_config_file: no field defaulted) and, where the config's fields differ from
 a reference architecture (params.yaml, or the config being exported), with the reference's too;
 each wrong shape is explained by the config fields it comes from. This includes what vLLM
 silently accepts: weights wider than head_dim x heads (vLLM's loader narrows them), a missing
@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from eagle3pipe.draft import arch as A
-from eagle3pipe.draft import formats
+from eagle3pipe.draft import parsing
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import tensorfile
 
@@ -187,14 +187,14 @@ def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None,
     describes; dtype is not compared: the trained checkpoint is float32) and, where they differ,
     the tensors vs the reference's contract; d2t vs t2d; every floating tensor finite
     (check_finite). `dtype`: the weights' dtype where the config states none
-    (formats.parse_speculators)."""
+    (parsing.parse_speculators)."""
     ckpt = Path(ckpt_dir)
     cfg_path = ckpt / "config.json"
     if not ckpt.is_dir():
         return [f"{ckpt}: not a directory (a draft checkpoint is a directory of config.json and "
                 "*.safetensors files)"]
     try:
-        _, arch, layout = formats.read_config_file(
+        _, arch, layout = parsing.read_config_file(
             cfg_path, verifier_num_layers=None if reference is None else
             reference.verifier_num_layers, dtype=dtype, fix=CONFIG_FIX)
         tensors = checkpoint_tensors(ckpt)
@@ -207,7 +207,7 @@ def check_checkpoint(ckpt_dir: str | Path, reference: A.DraftArch | None = None,
     where = f"{ckpt} ({layout} layout)"
     problems = check_tensors(tensors, arch, layout, where, f"its {cfg_path.name}")
     if reference is not None:
-        diffs = formats.differences(arch, reference, ignore=("dtype",))
+        diffs = parsing.differences(arch, reference, ignore=("dtype",))
         problems += [f"{cfg_path}: {f} = {mine!r} but {against} gives {theirs!r}"
                      for f, mine, theirs in diffs]
         if diffs:

@@ -23,7 +23,7 @@ import torch
 
 from eagle3pipe.config.cross_check import INIT_DIR
 from eagle3pipe.draft import arch as A
-from eagle3pipe.draft import formats
+from eagle3pipe.draft import parsing
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
 
@@ -60,7 +60,7 @@ def load(export_dir: str | Path, arch: A.DraftArch) -> tuple[dict[str, torch.Ten
     if problems:
         raise InitFromError(f"train.init_from: {d} does not fit the draft params.yaml "
                             "describes:\n  - " + "\n  - ".join(problems), fix=FIX)
-    _, _, layout = formats.read_config_file(d / "config.json",
+    _, _, layout = parsing.read_config_file(d / "config.json",
                                             verifier_num_layers=arch.verifier_num_layers)
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(d.glob("*.safetensors")):

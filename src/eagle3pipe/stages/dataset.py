@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
-from eagle3pipe.data.prompts import Prompt, jsonl_prompts, stdlib_prompts
+from eagle3pipe.data.prompts import Prompt, ReadReport, jsonl_prompts, stdlib_prompts
 from eagle3pipe.data.samples import write_jsonl
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import Error, ParamsAt
@@ -211,21 +211,8 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tokenizer = v.tokenizer()
     check_settings(cfg, v, at)
-    if cfg.source is None:
-        prompts, report = stdlib_prompts(cfg, tokenizer, progress=progress)
-    else:
-        prompts, report = jsonl_prompts(cfg.source, cfg, tokenizer, progress=progress, at=at)
+    prompts, report = _read_prompts(cfg, tokenizer, progress=progress, at=at)
     skipped = sum(report.skipped_by_reason.values())
-    if not prompts:
-        reasons = ", ".join(f"{k}: {v}" for k, v in report.skipped_by_reason.items() if v)
-        raise DatasetError(f"{report.source}: no usable conversation among {report.read} read "
-                           f"(skipped: {reasons or 'none'}); fix the input (see the warnings "
-                           "above) or point dataset.source at another file")
-    if cfg.eval_fraction > 0 and len(prompts) < 2:  # split() would leave eval empty
-        raise DatasetError(f"{report.source}: {len(prompts)} usable conversation(s); "
-                           f"dataset.eval_fraction {cfg.eval_fraction} needs at least 2 (one "
-                           "train, one eval)", fix=f"raise dataset.num_samples "
-                           f"({at.where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
     log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
     keys = reply_keys(v, prompts, cfg, settings)
@@ -237,13 +224,62 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
             raise DatasetError(f"sample {s['id']} is {len(s['input_ids'])} tokens, longer than "
                                f"dataset.max_seq_len {cfg.max_seq_len}")
     train, evals = split(samples, cfg.eval_fraction, cfg.seed)
+    _write_splits(out_dir, train, evals, prompts, keys)
+    metrics = _metrics(report, prompts, samples, train, evals, finish, timing, settings)
+    assert metrics["read"] == metrics["kept"] + metrics["skipped"]
+    # a prompt the store already had a reply for (a repeated prompt counts as reused)
+    counts = store.record("dataset", timing["computed"], len(samples) - timing["computed"],
+                          skipped, report.read, to=record_to)
+    log.info("store %s: %d replies generated, %d reused, %d lines skipped as bad",
+             store.root(), counts["computed"], counts["reused"], counts["skipped"])
+    store.enforce_bound()
+    log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
+             "assistant; generation %.2f s (%.0f new tokens/s) after %.1f s engine start",
+             metrics["read"], metrics["kept"], metrics["train"], metrics["eval"], skipped,
+             {k: v for k, v in metrics["skipped_by_reason"].items() if v}, metrics["tokens"],
+             metrics["assistant_tokens"], timing["generate_s"], timing["new_tokens_per_s"],
+             timing["engine_start_s"])
+    return metrics
+
+
+def _read_prompts(cfg: Any, tokenizer, *, progress: bool,
+                  at: ParamsAt) -> tuple[list[Prompt], ReadReport]:
+    """The prompts of dataset.source (the stdlib snippets when null) and the reader's report;
+    refuses a source with no usable conversation, or too few for a nonempty eval split."""
+    if cfg.source is None:
+        prompts, report = stdlib_prompts(cfg, tokenizer, progress=progress)
+    else:
+        prompts, report = jsonl_prompts(cfg.source, cfg, tokenizer, progress=progress, at=at)
+    if not prompts:
+        reasons = ", ".join(f"{k}: {v}" for k, v in report.skipped_by_reason.items() if v)
+        raise DatasetError(f"{report.source}: no usable conversation among {report.read} read "
+                           f"(skipped: {reasons or 'none'}); fix the input (see the warnings "
+                           "above) or point dataset.source at another file")
+    if cfg.eval_fraction > 0 and len(prompts) < 2:  # split() would leave eval empty
+        raise DatasetError(f"{report.source}: {len(prompts)} usable conversation(s); "
+                           f"dataset.eval_fraction {cfg.eval_fraction} needs at least 2 (one "
+                           "train, one eval)", fix=f"raise dataset.num_samples "
+                           f"({at.where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
+    return prompts, report
+
+
+def _write_splits(out_dir: str | Path, train: list[dict], evals: list[dict],
+                  prompts: list[Prompt], keys: list) -> None:
+    """out_dir/{train,eval}.jsonl and store_keys.json (each split's reply-store keys),
+    atomically."""
     with atomic_dir(out_dir) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "eval.jsonl", evals)
         key_of = {p.source: k for p, k in zip(prompts, keys)}  # what `eagle3pipe gc` keeps
         write_json(tmp / "store_keys.json", {"eval": [key_of[s["id"]] for s in evals],
                                              "train": [key_of[s["id"]] for s in train]})
-    metrics = {
+
+
+def _metrics(report: ReadReport, prompts: list[Prompt], samples: list[dict], train: list[dict],
+             evals: list[dict], finish: list, timing: dict, settings: dict) -> dict:
+    """The stage's metrics: counts that add up, token totals, the engine and kernels used."""
+    skipped = sum(report.skipped_by_reason.values())
+    return {
         "source": report.source,
         "read": report.read,
         "kept": len(samples),
@@ -261,20 +297,6 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
         "engine": engine.numeric(settings),
         "kernels": kernels(vllm=True),
     }  # timings go to the log only: committed metrics must be byte-identical on rerun
-    assert metrics["read"] == metrics["kept"] + metrics["skipped"]
-    # a prompt the store already had a reply for (a repeated prompt counts as reused)
-    counts = store.record("dataset", timing["computed"], len(samples) - timing["computed"],
-                          skipped, report.read, to=record_to)
-    log.info("store %s: %d replies generated, %d reused, %d lines skipped as bad",
-             store.root(), counts["computed"], counts["reused"], counts["skipped"])
-    store.enforce_bound()
-    log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
-             "assistant; generation %.2f s (%.0f new tokens/s) after %.1f s engine start",
-             metrics["read"], metrics["kept"], metrics["train"], metrics["eval"], skipped,
-             {k: v for k, v in metrics["skipped_by_reason"].items() if v}, metrics["tokens"],
-             metrics["assistant_tokens"], timing["generate_s"], timing["new_tokens_per_s"],
-             timing["engine_start_s"])
-    return metrics
 
 
 def run(params: StageView, paths: Paths) -> dict:

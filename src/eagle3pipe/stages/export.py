@@ -28,7 +28,7 @@ import torch
 
 from eagle3pipe.config.view import StageView
 from eagle3pipe.draft import arch as archmod
-from eagle3pipe.draft import formats
+from eagle3pipe.draft import formats, parsing
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.atomic import atomic_dir
@@ -53,16 +53,16 @@ class ExportError(Error, ValueError):
 def read_configs(speculators_config: str | Path, vllm_config: str | Path,
                  verifier: str | Path) -> dict[str, tuple[bytes, archmod.DraftArch]]:
     """{"speculators": (bytes, arch), "vllm": (bytes, arch)} of the two configs/ files, parsed
-    by eagle3pipe.draft.formats (no field defaulted), checked to be one render for this verifier."""
+    by eagle3pipe.draft.parsing (no field defaulted), checked to be one render for this verifier."""
     v = VerifierInfo.from_config(verifier)
     out = {}
     for want, path in (("speculators", speculators_config), ("vllm", vllm_config)):
-        raw, a, found = formats.read_config_file(path, verifier_num_layers=v.num_hidden_layers)
+        raw, a, found = parsing.read_config_file(path, verifier_num_layers=v.num_hidden_layers)
         if found != want:
             raise ExportError(f"{path}: is a {found}-layout config, expected the {want} one; "
                               "check the export stage's arguments in dvc.yaml")
         out[want] = (raw, a)
-    diffs = formats.differences(out["speculators"][1], out["vllm"][1])
+    diffs = parsing.differences(out["speculators"][1], out["vllm"][1])
     if diffs:
         raise ExportError(f"{speculators_config} and {vllm_config} disagree on " + ", ".join(
             f"{f} ({a!r} vs {b!r})" for f, a, b in diffs) + "; they are generated together: "
@@ -134,7 +134,7 @@ def speculators_roundtrip(flat_dir: str | Path, speculators_dir: str | Path,
     from safetensors.torch import load_file
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
-    _, flat, _ = formats.read_config_file(Path(flat_dir) / "config.json",
+    _, flat, _ = parsing.read_config_file(Path(flat_dir) / "config.json",
                                           verifier_num_layers=None)
     aux = list(flat.aux_layer_ids)
     Eagle3Converter().convert(input_path=Path(flat_dir), output_path=Path(work_dir),
@@ -155,10 +155,10 @@ def speculators_roundtrip(flat_dir: str | Path, speculators_dir: str | Path,
         elif not torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
                              b.view(torch.uint8) if b.dtype != torch.bool else b):
             problems.append(f"{n}: values differ")
-    _, conv, _ = formats.read_config_file(Path(work_dir) / "config.json",
+    _, conv, _ = parsing.read_config_file(Path(work_dir) / "config.json",
                                           verifier_num_layers=None)
     problems += [f"converter config {f} = {a!r}, the export's {b!r}"
-                 for f, a, b in formats.differences(conv, flat, ignore=CONVERTER_REWRITES)]
+                 for f, a, b in parsing.differences(conv, flat, ignore=CONVERTER_REWRITES)]
     return problems
 
 

@@ -204,11 +204,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     spec = read_capture(capture_path, v.info)  # fail fast, before loading weights
-    splits = {name: read_split(Path(dataset_dir) / f"{name}.jsonl", v.info.vocab_size,
-                               v.get("max_position_embeddings")) for name in SPLITS}
-    if not splits["train"]:
-        raise ExtractError(f"{Path(dataset_dir) / 'train.jsonl'}: no samples; "
-                           "regenerate it with `dvc repro dataset`")
+    splits = _read_splits(v, Path(dataset_dir))
     aux = list(spec.aux_layer_ids)
     log.info("verifier %s: %d layers, H=%d; vLLM captures aux %s + pre-norm final, stored as "
              "%s", v.model_dir, v.info.num_hidden_layers, v.info.hidden_size, aux, e.dtype)
@@ -237,16 +233,8 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
         counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
                          "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
                   for name, ss in splits.items()}
-        doc = {"layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
-               "slots": slot_names(aux), "hidden_size": spec.hidden_size,
-               "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
-               "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
-        if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
-            from eagle3pipe.engines.engine import numeric
-
-            doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
-                    "layer_ids": layer_ids, "engine_settings": numeric(settings)}
-        write_json(tmp / "manifest.json", doc)
+        write_json(tmp / "manifest.json",
+                   _manifest(spec, counts, keys, layer_ids, settings, e, on_demand))
     if e.mode == "online":  # keeps nothing past its use: the oracle's samples are checked
         for k in computed:
             hs.path(k).unlink(missing_ok=True)
@@ -257,6 +245,34 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
              f" ({e.mode}: the train stage computes the rest)" if on_demand else "")
     store.enforce_bound()
     return _metrics(out_dir, spec, counts, seconds, settings, e, oracle)
+
+
+def _read_splits(v: Verifier, dataset_dir: Path) -> dict[str, list[Sample]]:
+    """The dataset stage's splits, checked against the verifier's vocab and positions; an
+    empty train split is an error."""
+    splits = {name: read_split(dataset_dir / f"{name}.jsonl", v.info.vocab_size,
+                               v.get("max_position_embeddings")) for name in SPLITS}
+    if not splits["train"]:
+        raise ExtractError(f"{dataset_dir / 'train.jsonl'}: no samples; "
+                           "regenerate it with `dvc repro dataset`")
+    return splits
+
+
+def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
+              settings: dict, e, on_demand: bool) -> dict:
+    """manifest.json: the layout, the capture and each split's counts and store keys (what
+    `eagle3pipe gc` keeps); on demand, the keys and settings the train stage captures with."""
+    aux = list(spec.aux_layer_ids)
+    doc = {"layout": LAYOUT, "aux_layer_ids": aux, "final": spec.final,
+           "slots": slot_names(aux), "hidden_size": spec.hidden_size,
+           "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
+           "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
+    if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
+        from eagle3pipe.engines.engine import numeric
+
+        doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
+                "layer_ids": layer_ids, "engine_settings": numeric(settings)}
+    return doc
 
 
 def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[int],

@@ -167,17 +167,8 @@ def run_engines(s, inp: Inputs, eval_prompts: list[EvalPrompt] | None = None, *,
     bar = tqdm(total=total, desc="smoke: generate", unit="pass", disable=not progress,
                mininterval=1.0)
     meter = CpuMeter()
-
-    def start(pool, name, k, spec):
-        t0 = time.perf_counter()
-        llm = pool.start(spec)
-        dt = time.perf_counter() - t0
-        seconds["engine_start"] += dt
-        log.info("%s (k=%s): engine start %.1f s", label(name), k if spec else "-", dt)
-        return llm, dt
-
     with engine.engines(inp.settings, inp.model_dir, threads=s.threads, stats=True) as pool:
-        ref_llm, ref_start = start(pool, REFERENCE, 0, None)
+        ref_llm, ref_start = _start(pool, REFERENCE, 0, None, seconds)
         t0 = time.perf_counter()
         first = generate(ref_llm, inp, s, counted=False)
         seconds["counted"] += time.perf_counter() - t0
@@ -186,45 +177,83 @@ def run_engines(s, inp: Inputs, eval_prompts: list[EvalPrompt] | None = None, *,
                               generate_s=sum(first.seconds.values()),
                               domain_tokens=first.tokens)
         for k, specs in plan:
-            llms = {}
-            for name, spec in specs.items():
-                llm, dt = start(pool, name, k, spec)
-                t0 = time.perf_counter()
-                p = generate(llm, inp, s, counted=True)  # before the next start (its counters)
-                seconds["counted"] += time.perf_counter() - t0
-                bar.update()
-                runs[(name, k)] = EngineRun(name, p.token_ids, counter_sum(list(p.counters.values())),
-                                            dt, sum(p.seconds.values()), p.counters, p.tokens)
-                if eval_prompts and (name, k) == (FORMATS[0], inp.k):
-                    agreement = generate_eval(llm, eval_prompts, s)
-                    seconds["counted"] += agreement.generate_s
-                    bar.update()
-                llms[name] = llm
+            llms, got = _counted_passes(pool, k, specs, s, inp, eval_prompts, runs, seconds, bar)
+            if got is not None:
+                agreement = got
             order = [(REFERENCE, ref_llm), *llms.items()]
             t0 = time.perf_counter()
-            for name, llm in order[::-1]:  # the warm-up round: every engine once, not recorded
-                generate(llm, inp, s, counted=False)
-                if s.batch1_prompts:
-                    generate_single(llm, inp, s)
+            _warm_up(order, s, inp)
             bar.update(len(order))
             seconds["warm_up"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             meter.resume()
-            for r in range(rounds):
-                for name, llm in (order if r % 2 == 0 else order[::-1]):
-                    with no_gc():
-                        timed.setdefault((name, k), []).append(
-                            generate(llm, inp, s, counted=False))
-                    if s.batch1_prompts:
-                        with no_gc():
-                            timed1.setdefault((name, k), []).append(
-                                generate_single(llm, inp, s))
-                    bar.update()
+            _timed_rounds(order, k, rounds, s, inp, timed, timed1, bar)
             meter.pause()
             seconds["timed"] += time.perf_counter() - t0
             for llm in llms.values():
                 pool.stop(llm)
     bar.close()
     return Measured(reference, runs, timed, seconds, timed1, meter.other_share(), agreement)
+
+
+def _start(pool, name: str, k: int, spec: dict | None, seconds: dict[str, float]):
+    """Starts one engine of the pool (spec None: the reference), its start time logged and
+    added to seconds["engine_start"]; returns (the engine, its start seconds)."""
+    t0 = time.perf_counter()
+    llm = pool.start(spec)
+    dt = time.perf_counter() - t0
+    seconds["engine_start"] += dt
+    log.info("%s (k=%s): engine start %.1f s", label(name), k if spec else "-", dt)
+    return llm, dt
+
+
+def _counted_passes(pool, k: int, specs: dict[str, dict], s, inp: Inputs,
+                    eval_prompts: list[EvalPrompt] | None,
+                    runs: dict[tuple[str, int], EngineRun], seconds: dict[str, float],
+                    bar) -> tuple[dict[str, Any], EngineRun | None]:
+    """Starts each speculative engine of one group and makes its counted pass before the next
+    one starts (so the counters are its own) into runs[(name, k)]; the draft in the vllm layout
+    at the serving k then also generates `eval_prompts`. Returns the group's engines by name
+    and that eval run (None in every other group)."""
+    llms, agreement = {}, None
+    for name, spec in specs.items():
+        llm, dt = _start(pool, name, k, spec, seconds)
+        t0 = time.perf_counter()
+        p = generate(llm, inp, s, counted=True)  # before the next start (its counters)
+        seconds["counted"] += time.perf_counter() - t0
+        bar.update()
+        runs[(name, k)] = EngineRun(name, p.token_ids, counter_sum(list(p.counters.values())),
+                                    dt, sum(p.seconds.values()), p.counters, p.tokens)
+        if eval_prompts and (name, k) == (FORMATS[0], inp.k):
+            agreement = generate_eval(llm, eval_prompts, s)
+            seconds["counted"] += agreement.generate_s
+            bar.update()
+        llms[name] = llm
+    return llms, agreement
+
+
+def _warm_up(order: list[tuple[str, Any]], s, inp: Inputs) -> None:
+    """The warm-up round: every engine once (and at batch 1), last first, nothing recorded."""
+    for name, llm in order[::-1]:
+        generate(llm, inp, s, counted=False)
+        if s.batch1_prompts:
+            generate_single(llm, inp, s)
+
+
+def _timed_rounds(order: list[tuple[str, Any]], k: int, rounds: int, s, inp: Inputs,
+                  timed: dict[tuple[str, int], list[Pass]],
+                  timed1: dict[tuple[str, int], list[Pass]], bar) -> None:
+    """`rounds` timed rounds over `order`, reversed every other round, each pass without the
+    garbage collector, into timed[(name, k)] (and at batch 1, timed1[(name, k)])."""
+    for r in range(rounds):
+        for name, llm in (order if r % 2 == 0 else order[::-1]):
+            with no_gc():
+                timed.setdefault((name, k), []).append(
+                    generate(llm, inp, s, counted=False))
+            if s.batch1_prompts:
+                with no_gc():
+                    timed1.setdefault((name, k), []).append(
+                        generate_single(llm, inp, s))
+            bar.update()
 
 

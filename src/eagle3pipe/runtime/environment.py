@@ -30,17 +30,18 @@ def path(name: str) -> Path | None:
     return None if value is None else Path(value)
 
 
-def size(name: str, *, unset: str, error: type[Error] = Error) -> int | None:
-    """The variable as a byte count (a size such as 50G, or plain bytes); None when unset.
-    `unset` says what holds without it (for the fix); `error` is the class raised."""
+def size(name: str, *, unset: str, example: str = "50G", error: type[Error] = Error
+         ) -> int | None:
+    """The variable as a byte count (a size such as `example`, or plain bytes); None when
+    unset. `unset` says what holds without it (for the fix); `error` is the class raised."""
     value = text(name)
     if value is None:
         return None
     try:
         return parse_size(value)
     except ValueError as e:
-        raise error(f"${name}: {e}", fix=f"set it to a size such as 50G, or unset it for "
-                    f"{unset}") from None
+        raise error(f"${name}: {e}", fix=f"set it to a size such as {example}, or unset it "
+                    f"for {unset}") from None
 
 
 def append_line(name: str, line: str) -> None:

@@ -129,6 +129,8 @@ class Producer:
                                        or n - self.lead - self.released < self.window)
                     if self.stopping:
                         return
+                    if n >= self.lead and n - self.lead < self.released:
+                        continue  # the trainer is past this pack (it was ready from an earlier one)
                     missing = list(dict.fromkeys(k for k in pack if k not in self.ready))
                 for start in range(0, len(missing), self.batch_size):
                     self._compute(missing[start:start + self.batch_size])

@@ -1,0 +1,196 @@
+"""Unit tests of pieces the pipeline tests only reach through DVC and vLLM: the training
+schedule, the packer and its seeded epoch order, the store's bound, and the on-demand producer's
+order, window, deletion and hybrid budget (its engine a function that returns tensors: the
+producer's own logic, not vLLM's, is under test here; tests/test_online.py runs it on vLLM)."""
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3pipe.data import batches, online, store
+from eagle3pipe.errors import Error
+from eagle3pipe.runtime import environment
+from eagle3pipe.stages.train import lr_lambda
+
+# ---- the schedule: linear warm-up, then a half cosine to 0 (speculators' cosine shape)
+
+
+def test_lr_warms_up_linearly_then_decays_to_zero():
+    f = lr_lambda(4, 20)
+    assert [f(s) for s in range(4)] == [1 / 5, 2 / 5, 3 / 5, 4 / 5]
+    assert f(4) == 1.0
+    assert f(12) == pytest.approx(0.5)  # halfway through the decay
+    assert f(20) == pytest.approx(0.0, abs=1e-12) and f(25) == 0.0
+    decay = [f(s) for s in range(4, 21)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_lr_without_warmup_starts_at_the_peak():
+    f = lr_lambda(0, 10)
+    assert f(0) == 1.0 and f(5) == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)))
+
+
+# ---- the packer
+
+
+LENGTHS = [30, 200, 70, 10, 500, 64, 64, 1, 300, 40]
+
+
+def test_pack_keeps_order_and_budget():
+    packs = batches.pack(list(range(len(LENGTHS))), LENGTHS, 256)
+    assert [i for p in packs for i in p] == list(range(len(LENGTHS)))
+    for p in packs:
+        assert sum(LENGTHS[i] for i in p) <= 256 or len(p) == 1  # a longer sample: alone
+    assert [4] in packs  # 500 tokens: a batch of its own
+
+
+def test_epoch_order_is_seeded_per_epoch():
+    a = batches.epoch_batches(LENGTHS, 256, seed=0, epoch=0)
+    assert a == batches.epoch_batches(LENGTHS, 256, seed=0, epoch=0)
+    assert sorted(i for p in a for i in p) == list(range(len(LENGTHS)))
+    others = [batches.epoch_batches(LENGTHS, 256, seed=s, epoch=e) for s, e in
+              ((0, 1), (1, 0), (1, 1))]
+    assert all(o != a for o in others)
+
+
+# ---- the store's bound ($EAGLE3PIPE_STORE_MAX_BYTES)
+
+
+def test_store_bound_default_size_and_refusal(monkeypatch):
+    monkeypatch.delenv(environment.STORE_MAX_BYTES, raising=False)
+    limit, source = store.bound()
+    assert limit == 50 * 1024 ** 3 and "the default 50G" in source
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, "1.5G")
+    assert store.bound() == (int(1.5 * 1024 ** 3), f"${environment.STORE_MAX_BYTES}=1.5G")
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, "lots")
+    with pytest.raises(Error, match=r"EAGLE3PIPE_STORE_MAX_BYTES: 'lots' is not a size") as e:
+        store.bound()
+    assert "fix: set it to a size such as 50G, or unset it for the default 50G" in str(e.value)
+
+
+# ---- the on-demand producer
+
+
+H, SLOTS = 4, 4
+
+
+def _manifest(mode: str) -> online.Manifest:
+    return online.Manifest(path=Path("manifest.json"), mode=mode, keys={}, layer_ids=[1, 2, 3, 4],
+                           dtype="float32", hidden_size=H, engine={})
+
+
+class Engine:
+    """compute(prompts) as an engine gives it: (index, hidden [T, slots, H]) per prompt, the
+    value a function of the tokens; records every prompt it was asked for."""
+
+    def __init__(self):
+        self.asked: list[list[int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, prompts):
+        with self.lock:
+            self.asked += prompts
+        for j, ids in enumerate(prompts):
+            t = torch.tensor(ids, dtype=torch.float32)
+            yield j, t[:, None, None].expand(len(ids), SLOTS, H).clone()
+
+
+def _producer(mode: str, plan, lead: int = 0, window: int = 1, engine: Engine | None = None):
+    tokens = {k: [i + 1, i + 2, i + 3] for i, k in enumerate(sorted({k for p in plan for k in p}))}
+    engine = engine or Engine()
+    p = online.Producer(engine, store.Store("hidden"), tokens, plan, m=_manifest(mode),
+                        lead=lead, batch_size=2, window=window, check=lambda h, ids, k: None)
+    return p, engine, tokens
+
+
+def test_producer_serves_the_plan_in_order_within_its_window():
+    plan = [["e1"], ["a", "b"], ["c"], ["d", "a"]]
+    p, engine, tokens = _producer("online", plan, lead=1, window=1)
+    p.start()
+    got = p.get("e1")
+    assert got["token_ids"].tolist() == tokens["e1"]
+    assert got["hidden_states"][:, 0, 0].tolist() == [float(t) for t in tokens["e1"]]
+    p.get("a"), p.get("b")
+    # the window is 1 train pack: nothing past the first train pack until it is released
+    assert sorted(map(tuple, engine.asked)) == sorted(tuple(tokens[k]) for k in ("e1", "a", "b"))
+    p.release(["a", "b"])
+    p.get("c")
+    p.release(["c"])
+    p.get("d")
+    stats = p.close()
+    assert stats["computed"] == 5 and stats["mode"] == "online"
+    assert [tokens[k] for k in ("e1", "a", "b", "c", "d")] == engine.asked  # each once
+
+
+def test_online_deletes_after_the_last_use_and_hybrid_keeps_within_budget(monkeypatch):
+    plan = [["a", "b"], ["a"], ["c"]]
+    p, _, _ = _producer("online", plan, window=3)
+    p.start()
+    for pack in plan:
+        for k in pack:
+            p.get(k)
+        p.release(pack)
+    stats = p.close()
+    assert stats["deleted"] == 3 and stats["computed"] == 3, stats
+    assert not any(p.hs.has(k) for k in ("a", "b", "c"))
+    # hybrid: one entry's bytes of bound left, so one entry is kept and the others go
+    one = None
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, "0")
+    h, _, _ = _producer("hybrid", plan, window=3)
+    h.start()
+    for pack in plan:
+        for k in pack:
+            h.get(k)
+            one = one or h.hs.path(k).stat().st_size
+        h.release(pack)
+    stats = h.close()
+    assert stats["kept_in_store"] == 0 and stats["deleted"] == 3, stats  # a bound of 0 keeps nothing
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, str(one))
+    h, _, _ = _producer("hybrid", plan, window=3)
+    h.start()
+    for pack in plan:
+        for k in pack:
+            h.get(k)
+        h.release(pack)
+    assert h.close()["kept_in_store"] == 1
+
+
+def test_a_pack_the_trainer_is_past_is_not_computed_again():
+    """The trainer may finish a pack whose keys an earlier pack made ready before the producer
+    reaches it; online has then deleted them after their last use, and the producer must skip
+    that pack rather than compute its keys again (for nothing: no one reads them)."""
+    go = threading.Event()
+
+    class Slow(Engine):
+        def __call__(self, prompts):
+            yield from super().__call__(prompts)
+            go.wait(30)  # the producer's thread stays in pack 0 until the trainer is past pack 1
+
+    plan = [["a"], ["a"], ["b"]]
+    p, engine, tokens = _producer("online", plan, window=3, engine=Slow())
+    p.start()
+    for pack in plan[:2]:
+        p.get("a")
+        p.release(pack)
+    assert not p.hs.has("a")  # its last use is done: deleted
+    go.set()
+    p.get("b")
+    p.release(["b"])
+    stats = p.close()
+    assert stats["computed"] == 2 and engine.asked == [tokens["a"], tokens["b"]], stats
+
+
+def test_a_failing_engine_fails_the_trainer_with_the_fix():
+    def broken(prompts):
+        raise RuntimeError("engine died")
+        yield  # noqa: unreachable: a generator
+    p = online.Producer(broken, store.Store("hidden"), {"a": [1, 2]}, [["a"]],
+                        m=_manifest("online"), lead=0, batch_size=1, window=1,
+                        check=lambda h, ids, k: None).start()
+    with pytest.raises(online.OnlineError, match="producer failed: RuntimeError: engine died"):
+        p.get("a")
+    p.close()

@@ -42,9 +42,7 @@ def reference(inputs, tmp_path_factory):
     c = ck.Checkpoints("k", root / "ck")
     last = _train(inputs, root, c)
     assert not c.dir.exists(), "a published run's checkpoints are removed"
-    return types.SimpleNamespace(root=root, last=last,
-                                 out={**_files(root / "train"), **{
-                                     f"metrics/{k}": v for k, v in _files(root / "metrics").items()}})
+    return types.SimpleNamespace(root=root, last=last, out=_outputs(root))
 
 
 def _outputs(root: Path) -> dict[str, bytes]:

@@ -126,37 +126,30 @@ def test_producer_serves_the_plan_in_order_within_its_window():
     assert [tokens[k] for k in ("e1", "a", "b", "c", "d")] == engine.asked  # each once
 
 
-def test_online_deletes_after_the_last_use_and_hybrid_keeps_within_budget(monkeypatch):
-    plan = [["a", "b"], ["a"], ["c"]]
-    p, _, _ = _producer("online", plan, window=3)
+def _consume(p, plan) -> dict:
+    """The trainer's side: each pack's keys read, then the pack released; the producer's stats."""
     p.start()
     for pack in plan:
         for k in pack:
             p.get(k)
         p.release(pack)
-    stats = p.close()
+    return p.close()
+
+
+def test_online_deletes_after_the_last_use_and_hybrid_keeps_within_budget(monkeypatch):
+    plan = [["a", "b"], ["a"], ["c"]]
+    p, _, _ = _producer("online", plan, window=3)
+    stats = _consume(p, plan)
     assert stats["deleted"] == 3 and stats["computed"] == 3, stats
     assert not any(p.hs.has(k) for k in ("a", "b", "c"))
-    # hybrid: one entry's bytes of bound left, so one entry is kept and the others go
-    one = None
+    # hybrid: a bound of one entry's bytes keeps one entry; the others go
     monkeypatch.setenv(environment.STORE_MAX_BYTES, "0")
-    h, _, _ = _producer("hybrid", plan, window=3)
-    h.start()
-    for pack in plan:
-        for k in pack:
-            h.get(k)
-            one = one or h.hs.path(k).stat().st_size
-        h.release(pack)
-    stats = h.close()
-    assert stats["kept_in_store"] == 0 and stats["deleted"] == 3, stats  # a bound of 0 keeps nothing
+    stats = _consume(_producer("hybrid", plan, window=3)[0], plan)
+    assert stats["kept_in_store"] == 0 and stats["deleted"] == 3, stats  # 0 keeps nothing
+    one = store.Store("hidden").put_hidden("x", [1, 2, 3], torch.zeros(3, SLOTS, H)).stat().st_size
+    store.Store("hidden").path("x").unlink()
     monkeypatch.setenv(environment.STORE_MAX_BYTES, str(one))
-    h, _, _ = _producer("hybrid", plan, window=3)
-    h.start()
-    for pack in plan:
-        for k in pack:
-            h.get(k)
-        h.release(pack)
-    assert h.close()["kept_in_store"] == 1
+    assert _consume(_producer("hybrid", plan, window=3)[0], plan)["kept_in_store"] == 1
 
 
 def test_a_pack_the_trainer_is_past_is_not_computed_again():

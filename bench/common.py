@@ -98,8 +98,8 @@ def machine() -> dict:
 
 
 def cpu_meter():
-    """eagle3pipe.engines.speed.CpuMeter counting this process and its waited-for children, running."""
-    from eagle3pipe.engines.speed import CpuMeter
+    """eagle3pipe.stages.smoke.speed.CpuMeter counting this process and its waited-for children, running."""
+    from eagle3pipe.stages.smoke.speed import CpuMeter
 
     return CpuMeter(children=True).resume()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3pipe.hidden.spec import torch_dtype as stored_dtype
 from common import (ROOT, interleave, log, random_verifier, rnd, speed_ratio, speed_ratio_median,
                     synthetic_samples, timing_summary)
 
@@ -21,8 +22,8 @@ from common import (ROOT, interleave, log, random_verifier, rnd, speed_ratio, sp
 
 
 def _batches(samples, batch_size: int, pad_id: int):
-    """The padded batches the transformers extractor runs (eagle3pipe.engines.capture.padded_batches)."""
-    from eagle3pipe.engines.capture import padded_batches
+    """The padded batches the transformers extractor runs (eagle3pipe.hidden.oracle.padded_batches)."""
+    from eagle3pipe.hidden.oracle import padded_batches
 
     return [(ids, mask) for _, _, ids, mask in padded_batches(samples, batch_size, pad_id)]
 
@@ -30,7 +31,7 @@ def _batches(samples, batch_size: int, pad_id: int):
 def tf_states(model, samples, aux_ids, batch_size: int, pad_id: int = 0):
     """(index, hidden states) of every sample from the transformers extractor (the stage's
     oracle; the stage itself captures with vLLM), for extract.write_split."""
-    from eagle3pipe.engines.capture import padded_batches, tf_capture
+    from eagle3pipe.hidden.oracle import padded_batches, tf_capture
 
     for batch, lens, ids, mask in padded_batches(samples, batch_size, pad_id):
         states = tf_capture(model, ids, mask, aux_ids)
@@ -42,7 +43,7 @@ def write_split(model, samples, aux_ids, out: Path, dtype, batch_size: int, pad_
     """The stage's writer (extract.write_split) fed by the transformers extractor."""
     from safetensors.torch import save_file
 
-    from eagle3pipe.stages import extract as X
+    from eagle3pipe.stages.extract import run as X
     from eagle3pipe.data import store
 
     st, entries = store.Store("hidden", out.parent / f".{out.name}-store"), {}
@@ -61,15 +62,14 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
       forward  bare decoder forward, `model.model(input_ids, attention_mask)`, no hooks: the
                floor (the least any extractor must compute; the lm_head is not needed)
       forward_lm_head  the plain `model(...)` CausalLM forward (decoder + lm_head), for context
-      capture  eagle3pipe.engines.capture.tf_capture on the same batches (hooks + stacking the slots)
-      split    eagle3pipe.stages.extract.write_split fed by that capture: batching, casting, one
+      capture  eagle3pipe.hidden.oracle.tf_capture on the same batches (hooks + stacking the slots)
+      split    eagle3pipe.stages.extract.run.write_split fed by that capture: batching, casting, one
                safetensors file per sample and the datasets table (what the stage writes)
       stage    split + validate_split (the stage reads every file back before publishing)"""
-    from eagle3pipe.stages import extract as X
-    from eagle3pipe.stages import extract_checks
-
-    torch_dtype = X.DTYPES[dtype]
-    from eagle3pipe.engines.capture import tf_capture, tf_decoder
+    from eagle3pipe.stages.extract import run as X
+    from eagle3pipe.hidden import checks as extract_checks
+    torch_dtype = stored_dtype(dtype)
+    from eagle3pipe.hidden.oracle import tf_capture, tf_decoder
 
     base, _, _ = tf_decoder(model)
     cfg = model.config
@@ -135,10 +135,8 @@ def bench_extract(model, samples, aux_ids: list[int], work: Path, *, batch_size:
 
 def write_datapath(model, samples, aux_ids, out: Path, dtype: str = "bfloat16") -> Path:
     """A real speculators datapath (what the extract stage writes) for the training bench."""
-    from eagle3pipe.stages import extract as X
-
     shutil.rmtree(out, ignore_errors=True)
-    write_split(model, samples, aux_ids, out, X.DTYPES[dtype], 8)
+    write_split(model, samples, aux_ids, out, stored_dtype(dtype), 8)
     return out
 
 
@@ -156,8 +154,8 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
     from eagle3pipe.config import params
     from eagle3pipe.draft import arch as archmod
     from eagle3pipe.runtime import distributed
-    from eagle3pipe.stages import train as T
-    from eagle3pipe.stages import vocab as V
+    from eagle3pipe.stages.train import run as T
+    from eagle3pipe.stages.vocab import run as V
     from eagle3pipe.verifier.handle import VerifierInfo
 
     info = VerifierInfo.from_config(verifier_dir)
@@ -182,8 +180,8 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
 
 def train_variants(states: dict, data, packs: list[list[int]]) -> dict:
     """{name: a function running every pack once} for the states' names (see bench_train)."""
-    from eagle3pipe.stages import train as T
-
+    from eagle3pipe.stages.train import model as train_model
+    from eagle3pipe.stages.train import run as T
     def bare_forward_backward(st, chunk, weight):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss, _ = st.model(**chunk, ttt_steps=st.p.ttt_steps,
@@ -210,7 +208,7 @@ def train_variants(states: dict, data, packs: list[list[int]]) -> dict:
         for idx in packs:
             chunks = data.micro(idx)
             st.opt.zero_grad()
-            for chunk, w in zip(chunks, T.token_weights(chunks)):
+            for chunk, w in zip(chunks, train_model.token_weights(chunks)):
                 bare_forward_backward(st, chunk, w)
             st.opt.step()
 
@@ -225,7 +223,7 @@ def bench_train(verifier_dir: Path, datapath: Path, samples, draft_params, *, ba
                 ) -> dict:
     """tokens/s of the train stage's step vs a bare speculators step on the same packed batches
     (the same samples, read through the same ArrowDataset + CollateFn):
-      loop              eagle3pipe.stages.train.step itself, on a TrainState from train.build_state:
+      loop              eagle3pipe.stages.train.run.step itself, on a TrainState from train.build_state:
                         Batches.micro (collate into <= train.cpu_chunk_tokens micro-batches on CPU),
                         run_batch (bf16 autocast forward, token-weighted backward, accuracy
                         counts), clip_grad_norm_, AdamW step, LR schedule, with
@@ -276,7 +274,7 @@ def bench_scaling(work: Path, draft_params, *, hiddens, seq_lens, vocab: int, to
     """Extraction and draft-training throughput of random-init verifiers of the embedded family
     at each (hidden size, sequence length): samples of length in [3/4 L, L], `tokens` tokens per
     extraction point, `n_packs` packs of `batch_tokens` per training point."""
-    from eagle3pipe.engines.capture import tf_load
+    from eagle3pipe.hidden.oracle import tf_load
     from eagle3pipe.verifier.handle import Verifier
 
     rows = []

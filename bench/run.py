@@ -101,7 +101,7 @@ def headline_verifier(quick: bool, work: Path):
 def run_extract_train(which: set[str], quick: bool, work: Path, out: dict) -> None:
     import compute
     from eagle3pipe.config import params
-    from eagle3pipe.engines.capture import tf_load
+    from eagle3pipe.hidden.oracle import tf_load
     from eagle3pipe.verifier.handle import Verifier
 
     mode = MODES["quick" if quick else "full"]

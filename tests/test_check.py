@@ -19,9 +19,10 @@ from eagle3pipe.tools import check as C
 from eagle3pipe.tools import scan as S
 from eagle3pipe.tools import cli
 from eagle3pipe.draft import formats as R
+from eagle3pipe.stages.configs import run as configs
 from eagle3pipe.config import params as P
 from eagle3pipe.draft.checkpoint import check_checkpoint
-from eagle3pipe.stages.export import TORCH_DTYPE
+from eagle3pipe.stages.export.run import TORCH_DTYPE
 from eagle3pipe.verifier.handle import VerifierInfo
 
 from helpers.malformed import CORRUPT
@@ -669,7 +670,7 @@ def test_repository_scans_clean_and_fast():
     import time
 
     params = P.load(ROOT / "params.yaml")
-    files = R.render_files(params.draft, params.verifier.path,
+    files = configs.render_files(params.draft, params.verifier.path,
                            ROOT / "configs/verifier_config.json")
     t = time.perf_counter()
     problems = S.scan_constants(ROOT, params, files)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3pipe.stages import dataset
+from eagle3pipe.stages.dataset import run as dataset
 from eagle3pipe.data import prompts as prompt_src
 from eagle3pipe.data.prompts import REASONS, BadInputError, PromptsError
-from eagle3pipe.stages.dataset import DatasetError
+from eagle3pipe.stages.dataset.run import DatasetError
 
 from helpers.malformed import (GOOD, GOOD_LINE, MALFORMED_JSONL, MALFORMED_JSONL_FILES,
                                MALFORMED_SAMPLES, SAMPLE, USER)
@@ -328,8 +328,7 @@ def test_malformed_jsonl_in_the_stage_process(micro_verifier, tmp_path):
 
 @pytest.mark.parametrize("case", MALFORMED_SAMPLES, ids=[c[0] for c in MALFORMED_SAMPLES])
 def test_malformed_sample_file_refused_by_the_vocab_stage(tmp_path, capsys, case):
-    from eagle3pipe.stages import vocab
-
+    from eagle3pipe.stages.vocab import run as vocab
     _, line, detail = case
     f = tmp_path / "train.jsonl"
     f.write_bytes(json.dumps(SAMPLE).encode() + b"\n" + line + b"\n")

@@ -36,14 +36,14 @@ def test_only_the_runner_may_import_the_estimates(tmp_path):
     no code dep would then track: the closure refuses it, naming the file and line."""
     for d in ("src", "stages"):
         shutil.copytree(ROOT / d, tmp_path / d)
-    vocab = tmp_path / "src/eagle3pipe/stages/vocab.py"
+    vocab = tmp_path / "src/eagle3pipe/stages/vocab/run.py"
     text = vocab.read_text()
     at = text.index("\nfrom eagle3pipe.") + 1
     vocab.write_text(text[:at] + "from eagle3pipe.estimates import figures\n" + text[at:])
     line = text[:at].count("\n") + 1
     with pytest.raises(Error) as e:
         deps.closure("stages/vocab.py", tmp_path)
-    assert str(e.value).startswith(f"src/eagle3pipe/stages/vocab.py:{line}: "
+    assert str(e.value).startswith(f"src/eagle3pipe/stages/vocab/run.py:{line}: "
                                    "eagle3pipe.estimates: refuse-only"), str(e.value)
     assert "fix: move what" in str(e.value)
     assert deps.closure("stages/configs.py", tmp_path)  # the runner's own import is allowed
@@ -96,9 +96,9 @@ def test_editing_plan_rendering_reruns_no_stage(tmp_path):
     plan = repo / "src/eagle3pipe/tools/plan.py"
     plan.write_text(plan.read_text().replace('("stage", 9)', '("stage", 10)'))
     assert _changed_deps(repo) == {}  # a report's rendering: no stage reruns
-    smoke = repo / "src/eagle3pipe/stages/smoke.py"
+    smoke = repo / "src/eagle3pipe/stages/smoke/run.py"
     smoke.write_text(smoke.read_text() + "\n# edited\n")
-    assert _changed_deps(repo) == {"smoke": {"src/eagle3pipe/stages/smoke.py"}}
+    assert _changed_deps(repo) == {"smoke": {"src/eagle3pipe/stages/smoke/run.py"}}
 
 
 def test_editing_an_estimate_reruns_no_stage(tmp_path):
@@ -120,6 +120,6 @@ def test_editing_an_estimate_reruns_no_stage(tmp_path):
     for m in modules:
         m.write_text(m.read_text() + "\nEDITED = 1\n")
     assert _changed_deps(repo) == {}
-    vocab = repo / "src/eagle3pipe/stages/vocab.py"
+    vocab = repo / "src/eagle3pipe/stages/vocab/run.py"
     vocab.write_text(vocab.read_text() + "\nEDITED = 1\n")
-    assert _changed_deps(repo) == {"vocab": {"src/eagle3pipe/stages/vocab.py"}}
+    assert _changed_deps(repo) == {"vocab": {"src/eagle3pipe/stages/vocab/run.py"}}

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft import formats
 from eagle3pipe.draft import init_from
-from eagle3pipe.stages import export as exportmod
-from eagle3pipe.stages import train as trainmod
+from eagle3pipe.stages.export import run as exportmod
+from eagle3pipe.stages.train import run as trainmod
 from helpers.training import MICRO_TRAIN, make_inputs
 
 pytestmark = pytest.mark.slow  # each trains the micro draft (about 10 s)

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3pipe.draft import arch as archmod
-from eagle3pipe.stages import export as exportmod
+from eagle3pipe.stages.export import run as exportmod
 from eagle3pipe.draft import formats
-from eagle3pipe.stages import train as trainmod
+from eagle3pipe.stages.train import run as trainmod
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.verifier.handle import read_config
 

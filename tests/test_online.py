@@ -1,4 +1,4 @@
-"""Hidden states on demand (extract.mode online and hybrid, eagle3pipe.data.online), through
+"""Hidden states on demand (extract.mode online and hybrid, eagle3pipe.hidden.online), through
 `dvc repro` on a copy of the session's cold micro run (offline, conftest.py's `micro`; its DVC
 cache included, its per-sample store not): the trained draft is byte-identical in every mode,
 with the engine inside the train stage and with the verifier as a separate server process on

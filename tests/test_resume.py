@@ -1,4 +1,4 @@
-"""Checkpoint and resume of the train stage (eagle3pipe.stages.train_checkpoint): a run stopped
+"""Checkpoint and resume of the train stage (eagle3pipe.stages.train.checkpoint): a run stopped
 by SIGTERM, or dead from an exception, leaves a checkpoint; the next run of the same key resumes
 from it and ends with the bytes of a run never stopped (weights, metrics.json and every plot
 file). Real speculators Eagle3DraftModel on real hidden states of the micro verifier; the key
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3pipe.stages import train as trainmod
-from eagle3pipe.stages import train_checkpoint as ck
+from eagle3pipe.stages.train import run as trainmod
+from eagle3pipe.stages.train import checkpoint as ck
 from helpers.training import MICRO_TRAIN, make_inputs
 
 EVERY = 3

@@ -1,4 +1,4 @@
-"""The serving recipe (configs/serve/, eagle3pipe.draft.serving) follows params.yaml and
+"""The serving recipe (configs/serve/, eagle3pipe.engines.serving) follows params.yaml and
 `eagle3pipe check` finds a stale one; `eagle3pipe serve` refuses what cannot start, naming the
 fix; and (slow) it serves the micro pipeline's export over HTTP: greedy chat replies equal a
 server's without speculation, and vLLM's counters show the draft's tokens accepted."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle3pipe.config import params as P
-from eagle3pipe.draft import serving
+from eagle3pipe.engines import serving
 from eagle3pipe.engines import engine
 from eagle3pipe.tools import cli
 

@@ -19,9 +19,11 @@ from ruamel.yaml import YAML
 
 from helpers import drafts
 from eagle3pipe.data import prompts
-from eagle3pipe.engines import acceptance
-from eagle3pipe.stages import smoke, smoke_agreement, smoke_inputs
-from eagle3pipe.engines import speed
+from eagle3pipe.stages.smoke import acceptance
+from eagle3pipe.stages.smoke import run as smoke
+from eagle3pipe.stages.smoke import agreement as smoke_agreement
+from eagle3pipe.stages.smoke import inputs as smoke_inputs
+from eagle3pipe.stages.smoke import speed
 from eagle3pipe.errors import EXIT_INPUT, ParamsAt
 
 from helpers.micro import engine_settings

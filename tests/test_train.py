@@ -17,12 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe.draft import arch as archmod
-from eagle3pipe.data import batches
+from eagle3pipe.stages.train import batches
 from eagle3pipe.runtime import distributed
 from eagle3pipe.draft import formats, parsing
 from eagle3pipe.draft import vocab_map
-from eagle3pipe.stages import train as trainmod
-from eagle3pipe.stages import train_model
+from eagle3pipe.stages.train import run as trainmod
+from eagle3pipe.stages.train import model as train_model
 from eagle3pipe.verifier.handle import VerifierInfo
 from helpers.training import MICRO_TRAIN, make_inputs
 
@@ -230,7 +230,7 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
         micro = b.micro(idx)
         assert (len(micro) == 1) == (chunk is None)
         model.zero_grad()
-        loss, counts = trainmod.run_batch(model, micro, ttt_steps=3, ttt_step_loss_decay=1.0,
+        loss, counts = train_model.run_batch(model, micro, ttt_steps=3, ttt_step_loss_decay=1.0,
                                           loss_config=lc,
                                           backend=b.backend, d=distributed.Dist(),
                                           backward=True)

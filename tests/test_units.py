@@ -1,9 +1,10 @@
 """Unit tests of pieces the pipeline tests only reach through DVC and vLLM: the training
-schedule, the packer and its seeded epoch order, the store's bound, and the on-demand producer's
-order, window, deletion and hybrid budget (its engine a function that returns tensors: the
+schedule, the packer and its seeded epoch order, the store's bound, the capture spec and its
+store keys, and the on-demand producer's order, window, deletion and hybrid budget (its engine a function that returns tensors: the
 producer's own logic, not vLLM's, is under test here; tests/test_online.py runs it on vLLM)."""
 from __future__ import annotations
 
+import json
 import math
 import threading
 from pathlib import Path
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3pipe.data import batches, online, store
+from eagle3pipe.data import store
 from eagle3pipe.errors import Error
+from eagle3pipe.hidden import keys, online, spec
 from eagle3pipe.runtime import environment
-from eagle3pipe.stages.train import lr_lambda
+from eagle3pipe.stages.train import batches
+from eagle3pipe.stages.train.run import lr_lambda
 
 # ---- the schedule: linear warm-up, then a half cosine to 0 (speculators' cosine shape)
 
@@ -187,3 +190,46 @@ def test_a_failing_engine_fails_the_trainer_with_the_fix():
     with pytest.raises(online.OnlineError, match="producer failed: RuntimeError: engine died"):
         p.get("a")
     p.close()
+
+
+# ---- the capture spec: the slots' layer ids, names and dtype, capture.json, the store keys
+
+
+def test_capture_spec_slots_layer_ids_and_names():
+    assert spec.layer_ids([1, 7, 13], 16) == [1, 7, 13, 16]
+    assert spec.num_slots([1, 7, 13]) == 4
+    assert spec.slot_names([1, 7, 13]) == ["layer_input_1", "layer_input_7", "layer_input_13",
+                                           "final_pre_norm"]
+    assert spec.torch_dtype("bfloat16") is torch.bfloat16
+    assert set(spec.STORED_DTYPES) == {"bfloat16", "float16", "float32"}
+    for name in spec.STORED_DTYPES:
+        assert str(spec.torch_dtype(name)) == f"torch.{name}"
+
+
+def test_capture_json_round_trips_and_refuses_what_no_capture_is(tmp_path):
+    arch = type("Arch", (), {"aux_layer_ids": (1, 7, 13), "target_hidden_size": 128,
+                             "verifier_num_layers": 16})()
+    f = tmp_path / "capture.json"
+    f.write_text(json.dumps(spec.render(arch)))
+    got = spec.read_capture(f)
+    assert (got.aux_layer_ids, got.hidden_size, got.verifier_num_layers, got.final) == \
+        ((1, 7, 13), 128, 16, "pre_norm")
+    assert got.layer_ids == [1, 7, 13, 16] and got.num_slots == 4
+    for bad, match in [({"aux_layer_ids": [7, 1, 13]}, "distinct and ascending"),
+                       ({"aux_layer_ids": [1, 7, 17]}, r"out of range \[0, 16\]"),
+                       ({"final": "post_norm"}, "not supported"),
+                       ({"hidden_size": 0}, "positive integer")]:
+        f.write_text(json.dumps({**spec.render(arch), **bad}))
+        with pytest.raises(spec.ExtractError, match=match):
+            spec.read_capture(f)
+
+
+def test_store_keys_change_with_each_thing_that_determines_the_states():
+    base = dict(fingerprint="v1", token_lists=[[1, 2, 3]], ids=[1, 7, 13, 16],
+                numeric={"dtype": "bfloat16", "tensor_parallel_size": 1}, dtype="bfloat16")
+    [k] = keys.sample_keys(**base)
+    assert keys.sample_keys(**base) == [k]  # the same inputs, the same key
+    for change in [{"fingerprint": "v2"}, {"token_lists": [[1, 2, 4]]}, {"ids": [1, 7, 12, 16]},
+                   {"numeric": {"dtype": "float32", "tensor_parallel_size": 1}},
+                   {"dtype": "float32"}]:
+        assert keys.sample_keys(**{**base, **change}) != [k], change

@@ -25,7 +25,7 @@ from helpers.sparse import (CONFIG, GiB, make_checkpoint, shard_tensors,
 
 from eagle3pipe.config import params as P
 from eagle3pipe.verifier import handle as verifier
-from eagle3pipe.stages import verifier as verifier_stage
+from eagle3pipe.stages.verifier import run as verifier_stage
 from eagle3pipe.draft.arch import ArchError
 from eagle3pipe.verifier.handle import VerifierConfigError
 

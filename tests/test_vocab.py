@@ -12,7 +12,7 @@ import torch
 
 from eagle3pipe.errors import ParamsAt
 from eagle3pipe.draft import vocab_map
-from eagle3pipe.stages import vocab
+from eagle3pipe.stages.vocab import run as vocab
 from eagle3pipe.data.samples import SamplesError
 from eagle3pipe.draft.vocab_map import VocabError
 

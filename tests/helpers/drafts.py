@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3pipe.draft import arch as A
 from eagle3pipe.draft import formats
-from eagle3pipe.stages.export import TORCH_DTYPE
+from eagle3pipe.stages.export.run import TORCH_DTYPE
 from eagle3pipe.config.schema import DraftParams
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.verifier.handle import VerifierInfo

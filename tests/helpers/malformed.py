@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3pipe.draft import parsing
-from eagle3pipe.stages import extract, smoke_inputs
+from eagle3pipe.hidden import spec as capture_spec
+from eagle3pipe.stages.smoke import inputs as smoke_inputs
 from eagle3pipe.verifier import handle as verifier
 
 # ---------------------------------------------------------------------------------------------
@@ -302,8 +303,8 @@ BAD_VERIFIERS = [
 
 # (reader, error class, file it reads relative to the directory it is given, fix it must name)
 READERS = {
-    "extract.read_capture": (lambda d: extract.read_capture(d / "capture.json"),
-                             extract.ExtractError, "capture.json", "dvc repro configs"),
+    "extract.read_capture": (lambda d: capture_spec.read_capture(d / "capture.json"),
+                             capture_spec.ExtractError, "capture.json", "dvc repro configs"),
     "parsing.read_draft_config": (lambda d: parsing.read_draft_config(d / "draft_config.json"),
                                   parsing.ConfigError, "draft_config.json", "dvc repro configs"),
     "smoke.speculative_tokens": (lambda d: smoke_inputs.speculative_tokens(d),

@@ -1,5 +1,5 @@
 """The checks of params.yaml that need several of its keys (the verifier's own facts are checked
-in eagle3pipe.stages.verifier): draft heads and switches, the embedded verifier, the engines'
+in eagle3pipe.stages.verifier.run): draft heads and switches, the embedded verifier, the engines'
 parallelism, the smoke thresholds, the dataset split, training's start and nodes, the
 hidden-state mode. Each problem names file, line and key and carries the fix; params.load lists
 every one at once."""

@@ -35,10 +35,27 @@ def _trace_reads() -> None:
 atexit.register(_trace_reads)
 
 
-# where and how big: vLLM's memory bounds and length limit, the engine's address and call size
-RUN_ONLY = frozenset({"vllm.gpu_memory_utilization", "vllm.kv_cache_memory_bytes",
-                      "vllm.max_model_len", "vllm.trust_remote_code", "vllm.cpu_omp_threads_bind",
-                      "extract.endpoint", "extract.batch_size"})
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """Settings that say where or how big, never what is computed: vLLM's memory bounds and
+    length limit, the engine's address (extract.endpoint) and call size (extract.batch_size).
+    The train stage's engine in extract.mode online/hybrid reads them without a declaration
+    (StageView.run_settings), so that changing one reruns nothing; what that engine computes
+    is fixed by the extract stage's manifest (the numeric settings its store keys hash)."""
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    max_model_len: int | None
+    trust_remote_code: bool
+    cpu_omp_threads_bind: str | None
+    endpoint: str | None
+    batch_size: int
+
+    VLLM = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len",
+            "trust_remote_code", "cpu_omp_threads_bind")  # params' vllm: names
+
+    def vllm(self) -> dict[str, Any]:
+        """The vllm: ones, by their params names (engine settings)."""
+        return {k: getattr(self, k) for k in self.VLLM}
 
 
 class StageView:
@@ -83,15 +100,11 @@ class StageView:
         """The params file and its keys' lines, for located problems (errors.ParamsAt)."""
         return ParamsAt(self.params_file, self.key_lines)
 
-    def run_setting(self, key: str) -> Any:
-        """A setting that says where or how big, never what is computed (RUN_ONLY): read without
-        a declaration, so that changing it reruns nothing. The train stage's engine in
-        extract.mode online/hybrid reads these; what it computes is fixed by the extract
-        stage's manifest (the numeric settings its store keys hash)."""
-        if key not in RUN_ONLY:
-            raise UndeclaredParamError(f"'{key}' is not a run-only setting ({sorted(RUN_ONLY)})")
-        section, name = key.split(".")
-        return getattr(getattr(self._root, section), name)
+    def run_settings(self) -> RunSettings:
+        """The RunSettings of these params, read without a declaration (see RunSettings)."""
+        v, e = self._root.vllm, self._root.extract
+        return RunSettings(**{k: getattr(v, k) for k in RunSettings.VLLM},
+                           endpoint=e.endpoint, batch_size=e.batch_size)
 
     def for_validation(self, section: str) -> Any:
         """A whole section for a cross-check that can only refuse, never change an output (the

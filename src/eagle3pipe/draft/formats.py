@@ -1,7 +1,9 @@
 """Every config layout of the draft, rendered in one place.
 
 `render()` returns {relative path: file text}; the `configs` stage and the `eagle3pipe render`
-CLI write exactly these bytes, and `eagle3pipe check` compares against them. Every value any
+CLI write exactly these bytes (with hidden-state extraction's configs/capture.json,
+eagle3pipe.hidden.spec: eagle3pipe.stages.configs.run.render_files), and `eagle3pipe check`
+compares against them. Every value any
 consumer defaults differently (head_dim, norm_before_residual, aux ids, ...) is written
 explicitly into every file. eagle3pipe.draft.parsing is the inverse: each layout that describes
 the draft parsed back into its DraftArch.
@@ -11,13 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3pipe.draft.arch import NUM_AUX, DraftArch, derive
+from eagle3pipe.draft.arch import DraftArch
 from eagle3pipe.runtime.atomic import write_text_atomic
 from eagle3pipe.runtime.jsonio import dumps
-from eagle3pipe.verifier.handle import EMBEDDED_VERIFIER_DIR, VerifierInfo, read_config
+from eagle3pipe.verifier.handle import EMBEDDED_VERIFIER_DIR
 
-FILES = ("draft_config.json", "speculators/config.json", "vllm/config.json", "capture.json",
-         "verifier_config.json")
+FILES = ("draft_config.json", "speculators/config.json", "vllm/config.json",
+         "verifier_config.json")  # configs/capture.json is eagle3pipe.hidden.spec's
 TRAINED_DTYPE = "float32"  # training keeps float32 weights (train.py); the export casts
 # draft.draft_arch -> the flat config's architecture: vLLM's registry names the Llama draft
 # LlamaForCausalLMEagle3 (the published references' name) and the Qwen3 one Eagle3Qwen3ForCausalLM
@@ -178,14 +180,6 @@ def speculators_config(arch: DraftArch, *, num_speculative_tokens: int, verifier
     return d
 
 
-def capture_config(arch: DraftArch) -> dict:
-    """Only what hidden-state extraction needs (so a head_dim change never reruns it)."""
-    assert len(arch.aux_layer_ids) == NUM_AUX
-    return {"aux_layer_ids": list(arch.aux_layer_ids), "final": "pre_norm",
-            "hidden_size": arch.target_hidden_size,
-            "verifier_num_layers": arch.verifier_num_layers}
-
-
 def verifier_name_or_path(verifier_path: str | None) -> str:
     return verifier_path if verifier_path is not None else EMBEDDED_VERIFIER_DIR
 
@@ -200,7 +194,6 @@ def render(arch: DraftArch, *, verifier_config: dict, verifier_path: str | None,
         "draft_config.json": draft_config(arch),
         "speculators/config.json": spec,
         "vllm/config.json": flat_config(arch),
-        "capture.json": capture_config(arch),
         "verifier_config.json": {k: v for k, v in verifier_config.items()
                                  if k != "transformers_version"},
     }
@@ -218,24 +211,3 @@ def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
         write_text_atomic(p, text)
         written.append(p)
     return written
-
-
-def render_files(draft, verifier_path: str | None, verifier_config_file: str | Path, *,
-                 params_file: str = "params.yaml", lines: dict | None = None) -> dict[str, str]:
-    """params' draft section + the verifier's config.json -> every derived config's text."""
-    info = VerifierInfo.from_config(verifier_config_file)
-    arch = derive(draft, info, params_file=params_file, lines=lines)
-    cfg, _, _ = read_config(verifier_config_file)
-    return render(arch, verifier_config=cfg, verifier_path=verifier_path,
-                  num_speculative_tokens=draft.num_speculative_tokens)
-
-
-def render_into(out_dir: str | Path, draft, verifier_path: str | None,
-                verifier_config_file: str | Path, *, params_file: str = "params.yaml",
-                lines: dict | None = None) -> dict[Path, str]:
-    """render_files() written under out_dir: {path: "written" or "unchanged"}."""
-    files = render_files(draft, verifier_path, verifier_config_file, params_file=params_file,
-                         lines=lines)
-    changed = set(write(files, out_dir))
-    return {Path(out_dir) / rel: "written" if Path(out_dir) / rel in changed else "unchanged"
-            for rel in files}

@@ -16,7 +16,6 @@ config and of every safetensors file, in name order) goes into the train metrics
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from eagle3pipe.draft import arch as A
 from eagle3pipe.draft import parsing
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.hashing import sha256_files
 
 FIX = (f"point train.init_from at a draft exported for this architecture (the export stage "
        f"writes artifacts/export/{{vllm,speculators}}; copy one into {INIT_DIR}/<name>), or set "
@@ -39,13 +39,7 @@ class InitFromError(Error, ValueError):
 def fingerprint(export_dir: str | Path) -> str:
     """sha256 over config.json and every *.safetensors file (names and bytes, in name order)."""
     d = Path(export_dir)
-    h = hashlib.sha256()
-    for f in [d / "config.json", *sorted(d.glob("*.safetensors"))]:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+    return sha256_files(d, [d / "config.json", *sorted(d.glob("*.safetensors"))])
 
 
 def load(export_dir: str | Path, arch: A.DraftArch) -> tuple[dict[str, torch.Tensor], dict]:

@@ -1,7 +1,7 @@
 """The draft's vocabulary map: d2t (int64 [draft_vocab_size], target id = draft id + d2t[draft
 id]) and t2d (bool [vocab_size], the target ids the draft can propose), speculators'
 convention, which vLLM's EAGLE-3 sampler assumes too; read and checked here for every consumer
-(train, export, the checkpoint check). The vocab stage (eagle3pipe.stages.vocab) builds it."""
+(train, export, the checkpoint check). The vocab stage (eagle3pipe.stages.vocab.run) builds it."""
 from __future__ import annotations
 
 from pathlib import Path

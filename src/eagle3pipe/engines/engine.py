@@ -14,9 +14,11 @@ import gc
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.device import cuda_available
 
 # params.yaml `vllm:` keys passed to vLLM's LLM/EngineArgs under the same names
 ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -40,6 +42,17 @@ def settings_of(section: Any) -> dict[str, Any]:
     return {k: getattr(section, k) for k in (*ENGINE_ARGS, *ENV)}
 
 
+def probe_settings(dtype: str, trust_remote_code: bool) -> dict[str, Any]:
+    """The settings of a single-process, engine-less look at a checkpoint (the preflight's
+    tensor-name probe, eagle3pipe.engines.verifier_names): one rank, vLLM's defaults for the
+    memory bounds, the run's dtype and remote-code choice."""
+    one = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+           "enable_expert_parallel": False, "gpu_memory_utilization": 0.9,
+           "max_model_len": None, "enforce_eager": True, "kv_cache_memory_bytes": None,
+           "seed": 0, "cpu_omp_threads_bind": "auto"}
+    return settings_of(SimpleNamespace(**one, dtype=dtype, trust_remote_code=trust_remote_code))
+
+
 def numeric(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings a stage records beside its numbers."""
     return {k: settings[k] for k in NUMERIC}
@@ -51,7 +64,7 @@ def environment(settings: dict[str, Any]) -> None:
     the CPU backend's thread binding, no hub access, quiet tokenizers. The KV cache is bounded
     by the kv_cache_memory_bytes engine argument, on CPU and GPU alike."""
     ranks = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
-    if ranks > 1 and settings["cpu_omp_threads_bind"] == "auto" and not _cuda():
+    if ranks > 1 and settings["cpu_omp_threads_bind"] == "auto" and not cuda_available():
         raise EngineError(
             f"vllm.tensor_parallel_size x pipeline_parallel_size = {ranks} on a CPU build with "
             "vllm.cpu_omp_threads_bind: auto; vLLM's CPU backend then refuses to start (\"Not "
@@ -64,12 +77,6 @@ def environment(settings: dict[str, Any]) -> None:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def engine_kwargs(settings: dict[str, Any], model_dir: str | Path, *,
@@ -161,7 +168,7 @@ def engines(settings: dict[str, Any], model_dir: str | Path, *,
         torch.set_num_threads(threads)
     set_threads, count = torch.set_num_threads, torch.get_num_threads()
     try:
-        if not _cuda():
+        if not cuda_available():
             import vllm  # noqa: F401 - the dispatcher module below needs vLLM imported
 
             _tolerate_foreign_dicts()

@@ -20,7 +20,7 @@ engine's forward context and KV cache, so `_CausalSDPA` stands in for the `attn`
 the q, k, v from vLLM's own qkv_proj, q/k norms and rotary. Everything else (projections, norms,
 switches, fc, residuals, lm_head, d2t) is vLLM's own code.
 
-speculators' side: `Eagle3DraftModel` built as stages/train_model.py `build_model` builds it
+speculators' side: `Eagle3DraftModel` built as eagle3pipe.stages.train.model.build_model builds it
 (config, `load_vocab_mappings`, `load_verifier_weights`) from the speculators config training
 used, the export's tensors loaded over it (flat names renamed `midlayer.` -> `layers.0.`, draft/arch.py
 `rename`). Its own `forward` runs (every switch, the `config.norm_output` branch included, is
@@ -208,7 +208,7 @@ def _inputs(hidden_states, input_ids, ref: dict) -> tuple[torch.Tensor, torch.Te
 
 
 def speculators_model(ref: dict, verifier_dir: str | Path, draft_dir: str | Path):
-    """Eagle3DraftModel as train_model.build_model makes it (speculators' Eagle3DraftModel.__init__,
+    """Eagle3DraftModel as stages.train.model.build_model makes it (speculators' Eagle3DraftModel.__init__,
     load_vocab_mappings, load_verifier_weights), from `ref` with the verifier at
     `verifier_dir`, then the export's tensors (load_state_dict): float32, eval mode. Raises
     when a tensor the config implies is missing from the export, or one is left over."""

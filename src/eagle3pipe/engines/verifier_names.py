@@ -4,7 +4,7 @@ is read.
 vLLM's class for the verifier is built on the meta device with the engine-less setup of
 eagle3pipe.engines.load_check (the VllmConfig an engine would build, a one-process group) and
 fed every checkpoint tensor as an empty meta tensor: vLLM's own load_weights names the first
-tensor it cannot place. The verifier preflight (eagle3pipe.verifier.preflight) runs it.
+tensor it cannot place. The verifier preflight (eagle3pipe.engines.preflight) runs it.
 """
 from __future__ import annotations
 

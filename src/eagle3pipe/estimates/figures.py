@@ -17,6 +17,7 @@ from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params, VllmParams
 from eagle3pipe.draft import arch as A
 from eagle3pipe.estimates.size import verifier_weights
+from eagle3pipe.runtime.device import cuda_available  # noqa: F401 - plan and the runner's check read it here
 from eagle3pipe.runtime.units import DTYPE_BYTES, human
 from eagle3pipe.verifier.handle import VerifierInfo, read_config
 
@@ -73,14 +74,6 @@ def activation_floats_per_token(specs: dict[str, A.TensorSpec]) -> int:
 def dataset_tokens(params: Params) -> int:
     d = params.dataset
     return d.num_samples * (d.max_prompt_tokens + d.max_new_tokens)
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def figures(params: Params, verifier_config: str | Path, gpu: bool) -> Figures:

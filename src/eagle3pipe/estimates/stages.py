@@ -65,7 +65,7 @@ def extract(params: Params, f: Figures) -> Estimate:
 def train(params: Params, f: Figures) -> Estimate:
     """Per process: the draft's weights, grads and AdamW state, plus activations. On disk: the
     checkpoint (float32 weights and AdamW's two moments), twice while the next one is written
-    beside it (stages/train_checkpoint.py), and the output."""
+    beside it (eagle3pipe.stages.train.checkpoint), and the output."""
     t = params.train
     checkpoint = f.draft_params * 3 * 4
     act = t.batch_tokens * t.ttt_steps * f.activation_floats * 4

@@ -1,6 +1,6 @@
 """Where the train stage runs: the process group (torchrun), this process's rank and device, the
 backend choices per device (attention, loss kernel, autocast, micro-batching) and the one
-collective the loop needs (a sum). eagle3pipe.stages.train holds the training itself.
+collective the loop needs (a sum). eagle3pipe.stages.train.run holds the training itself.
 
 Mirrors speculators/train/distributed.py (`maybe_setup_distributed`: init from the torchrun
 environment, `maybe_destroy_distributed`) and the DDP branch of speculators' Trainer.setup_model

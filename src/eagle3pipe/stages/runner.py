@@ -2,7 +2,9 @@
 
 A stage script is a few lines:
 
-    from eagle3pipe.stages import runner, vocab
+    from eagle3pipe.stages import runner
+
+    from eagle3pipe.stages.vocab import run as vocab
     if __name__ == "__main__":
         runner.main("vocab", vocab.run, paths=("dataset", "verifier_config", "out"))
 

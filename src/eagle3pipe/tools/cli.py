@@ -10,12 +10,14 @@ from pathlib import Path
 
 from eagle3pipe.config import params
 from eagle3pipe.config.schema import Params
-from eagle3pipe.draft import formats, parsing, serving
+from eagle3pipe.draft import parsing
+from eagle3pipe.engines import serving
 from eagle3pipe.draft.arch import derive
 from eagle3pipe.draft.checkpoint import check_checkpoint
 from eagle3pipe.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, Error
 from eagle3pipe.runtime import units
 from eagle3pipe.runtime.jsonio import read_json_object
+from eagle3pipe.stages.configs import run as configs
 from eagle3pipe.tools import check, scan
 from eagle3pipe.verifier.handle import VerifierInfo, find_config
 
@@ -29,7 +31,7 @@ def _load(args) -> tuple[Params, Path]:
 
 def cmd_render(args) -> int:
     p, vcfg = _load(args)
-    states = formats.render_into(args.out, p.draft, p.verifier.path, vcfg,
+    states = configs.render_into(args.out, p.draft, p.verifier.path, vcfg,
                                  params_file=args.params, lines=params.lines_of(p))
     states |= serving.render_into(args.out, p.vllm, p.verifier.path,
                                   p.draft.num_speculative_tokens)
@@ -62,7 +64,7 @@ def cmd_check(args) -> int:
     info = VerifierInfo.from_config(vcfg)
     lines = params.lines_of(p)
     arch = derive(p.draft, info, params_file=args.params, lines=lines)
-    files = formats.render_files(p.draft, p.verifier.path, vcfg, params_file=args.params,
+    files = configs.render_files(p.draft, p.verifier.path, vcfg, params_file=args.params,
                                  lines=lines)
     files |= serving.render_files(p.vllm, p.verifier.path, p.draft.num_speculative_tokens)
     print(f"params: {args.params} valid; verifier config {vcfg}")
@@ -144,8 +146,7 @@ def cmd_gc(args) -> int:
 
 def _gc_checkpoints(repo: Path, verb: str, *, dry_run: bool) -> None:
     """The train stage's checkpoints of every key but the workspace's current one."""
-    from eagle3pipe.stages import train_checkpoint as ck
-
+    from eagle3pipe.stages.train import checkpoint as ck
     keep = ck.key_of(params.load(repo / "params.yaml").train, repo / "dvc.yaml")
     gone = ck.remove_stale(keep, repo / ck.ROOT, dry_run=dry_run)
     print(f"checkpoints {repo / ck.ROOT}: {verb} {len(gone)} of other inputs or params; kept "

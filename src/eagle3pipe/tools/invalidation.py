@@ -16,7 +16,7 @@ from pathlib import Path
 from eagle3pipe.config import dvcfile
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params
-from eagle3pipe.draft import formats
+from eagle3pipe.stages.configs import run as configs
 from eagle3pipe.verifier.handle import find_config
 
 # verifier.embedded keys that change the verifier's config.json (the rest change only weights)
@@ -48,7 +48,7 @@ EXCLUSIVE = {"norm_before_fc": "fc_norm", "fc_norm": "norm_before_fc"}
 
 def changed_configs(params: Params, key: str, verifier_config: Path) -> set[str]:
     """Which configs/ files change when `key` (a draft.* or verifier.path key) changes."""
-    base = formats.render_files(params.draft, params.verifier.path, verifier_config)
+    base = configs.render_files(params.draft, params.verifier.path, verifier_config)
     section, leaf = key.split(".", 1)
     if section == "draft":
         value = getattr(params.draft, leaf)
@@ -73,9 +73,9 @@ def changed_configs(params: Params, key: str, verifier_config: Path) -> set[str]
         if leaf in EXCLUSIVE and new:  # turning one on turns its exclusive partner off
             change[EXCLUSIVE[leaf]] = False
         draft = dataclasses.replace(params.draft, **change)
-        other = formats.render_files(draft, params.verifier.path, verifier_config)
+        other = configs.render_files(draft, params.verifier.path, verifier_config)
     else:  # verifier.path: only the rendered verifier name_or_path
-        other = formats.render_files(params.draft, "/elsewhere", verifier_config)
+        other = configs.render_files(params.draft, "/elsewhere", verifier_config)
     return {f"configs/{f}" for f in base if base[f] != other[f]}
 
 

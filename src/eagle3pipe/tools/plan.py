@@ -30,7 +30,7 @@ from eagle3pipe.config import cross_check
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params
 from eagle3pipe.data import store
-from eagle3pipe.data.online import PREFETCH_PACKS
+from eagle3pipe.hidden.online import PREFETCH_PACKS
 from eagle3pipe.draft.arch import NUM_AUX
 from eagle3pipe.errors import Problem
 from eagle3pipe.runtime import environment
@@ -39,7 +39,7 @@ from eagle3pipe.runtime.units import GiB, human, parse_size
 from eagle3pipe.estimates import figures as E
 from eagle3pipe.estimates import stages as estimate
 from eagle3pipe.verifier.handle import read_config
-from eagle3pipe.verifier.preflight import eagle3_limit
+from eagle3pipe.engines.preflight import eagle3_limit
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`eagle3pipe serve` (`make serve`): vLLM's OpenAI-compatible server on the verifier with one
 exported draft, started from the serving recipe the configs stage rendered
-(configs/serve/<format>.json, eagle3pipe.draft.serving), so it serves the k, the export and the
+(configs/serve/<format>.json, eagle3pipe.engines.serving), so it serves the k, the export and the
 engine arguments the smoke stage measured.
 
 The server is `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the `vllm`
@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from eagle3pipe.config import params as P
-from eagle3pipe.draft import serving
+from eagle3pipe.engines import serving
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import EXIT_OK, Error
 from eagle3pipe.tools import check
@@ -134,16 +134,17 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def capture_args(r: dict, configs_dir: str | Path, verifier_dir: str | Path) -> list[str]:
     """The flags that make the verifier a hidden-state server (extract.endpoint): the extract
-    stage's capture (configs/capture.json, engines.capture.engine_config) with the connector
+    stage's capture (configs/capture.json, hidden.capture.engine_config) with the connector
     writing into $EAGLE3PIPE_STORE/incoming, where server.json says what it captures
-    (eagle3pipe.engines.on_demand). No draft: the verifier alone, as the extract stage runs it."""
-    from eagle3pipe.engines import capture, on_demand
+    (eagle3pipe.hidden.on_demand). No draft: the verifier alone, as the extract stage runs it."""
+    from eagle3pipe.hidden import capture
+    from eagle3pipe.hidden import on_demand
     from eagle3pipe.runtime.jsonio import write_json
-    from eagle3pipe.stages.extract import read_capture
+    from eagle3pipe.hidden.spec import read_capture
 
     v = handle.Verifier(verifier_dir)
     spec = read_capture(Path(configs_dir) / "capture.json", v.info)
-    layer_ids = [*spec.aux_layer_ids, spec.verifier_num_layers]
+    layer_ids = spec.layer_ids
     where = on_demand.storage()
     where.mkdir(parents=True, exist_ok=True)
     write_json(where / on_demand.SERVER_JSON, on_demand.describe(

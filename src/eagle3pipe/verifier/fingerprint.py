@@ -30,6 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.hashing import sha256_file
 from eagle3pipe.runtime.tensorfile import read_header
 
 SAFETENSORS = (".safetensors",)
@@ -38,7 +39,6 @@ OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".o
 SMALL_FILE_LIMIT = 256 * 1024 * 1024  # other-kind files up to this size are always fully hashed
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 MODES = ("headers", "full")
-_CHUNK = 8 * 1024 * 1024
 
 
 class FingerprintError(Error, ValueError):
@@ -67,16 +67,6 @@ def kind_of(name: str) -> str:
     if low.endswith(OTHER_WEIGHTS):
         return "weights"
     return "other"
-
-
-def sha256_file(path: str | Path, bar: tqdm | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-            if bar is not None:
-                bar.update(len(chunk))
-    return h.hexdigest()
 
 
 def fingerprint(root: str | Path, mode: str = "headers", *, progress: bool = True) -> dict:

@@ -14,9 +14,9 @@ import torch
 
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.errors import Error
+from eagle3pipe.hidden import spec
 from eagle3pipe.runtime.distributed import Backend
 
-NUM_SLOTS = archmod.NUM_AUX + 1  # 3 aux layers + the pre-norm last-layer output
 
 
 class TrainInputError(Error, ValueError):
@@ -25,7 +25,7 @@ class TrainInputError(Error, ValueError):
 
 def open_datapath(datapath: str | Path, max_len: int, dtype: torch.dtype, transfer=None):
     """speculators' ArrowDataset over a hidden-state datapath; missing files raise. `transfer`
-    (on demand: eagle3pipe.data.online.StoreTransfer) replaces its hidden_states/ files."""
+    (on demand: eagle3pipe.hidden.online.StoreTransfer) replaces its hidden_states/ files."""
     from speculators.train.data import ArrowDataset
 
     p = Path(datapath)
@@ -40,13 +40,13 @@ def open_datapath(datapath: str | Path, max_len: int, dtype: torch.dtype, transf
 
 
 def check_datapath(ds, datapath: str | Path, arch: archmod.DraftArch) -> None:
-    """The first sample's hidden states must have NUM_SLOTS slots of the verifier's width."""
+    """The first sample's hidden states must have spec.num_slots() slots of the verifier's width."""
     sample = ds.transfer.get_cached(ds._map_to_file_idx(0))  # noqa: SLF001
     if sample is None:
         raise TrainInputError(f"{datapath}/hidden_states/hs_0.safetensors: missing; "
                               "rerun `dvc repro extract`")
     hs = sample["hidden_states"]
-    want = (NUM_SLOTS, arch.target_hidden_size)
+    want = (spec.num_slots(arch.aux_layer_ids), arch.target_hidden_size)
     if hs.dim() != 3 or tuple(hs.shape[1:]) != want:
         raise TrainInputError(
             f"{datapath}/hidden_states/hs_0.safetensors: hidden_states {list(hs.shape)}, the "

@@ -4,7 +4,7 @@ Trainer keeps `checkpoints/<epoch>` with its `training_state.json` and resumes w
 the next steps depend on: the model's and AdamW's state, the schedule, the step, the RNG states
 and the metrics written so far. The epoch plan is a function of the params (seeded per epoch),
 so the step alone says where in it the run is, and the on-demand producer starts from the same
-step (data.online.plan_of).
+step (stages.train.run.demand_of).
 
 Where: `.eagle3pipe/checkpoints/train/<key>/step-<n>/` (git-ignored, outside DVC's outputs),
 written atomically (runtime.atomic_dir), the previous one removed only after the next is
@@ -32,9 +32,10 @@ import torch
 from ruamel.yaml import YAML
 
 from eagle3pipe.config import dvcfile
-from eagle3pipe.data.batches import TrainInputError
+from eagle3pipe.stages.train.batches import TrainInputError
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.distributed import all_reduce
+from eagle3pipe.runtime.hashing import sha256_path
 
 log = logging.getLogger("eagle3pipe.stages.train")
 
@@ -43,18 +44,6 @@ STAGE = "train"
 # what changes no byte of the trained draft: the checkpoints' own cadence
 NOT_IN_KEY = frozenset({"checkpoint_every"})
 STATE, META, METRICS = "state.pt", "checkpoint.json", "metrics"
-
-
-def _sha256_of(path: Path) -> str:
-    """sha256 of a file, or of a directory's files (relative names and bytes, sorted)."""
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for f in files:
-        h.update(str(f.relative_to(path) if f != path else f.name).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def _locked_outs(dvc_lock: Path) -> dict[str, str]:
@@ -81,7 +70,7 @@ def stage_key(train_params: dict[str, Any], dvc_yaml: str | Path) -> str:
     parts = {}
     for dep in dvcfile.stage(STAGE, dvc_yaml).get("deps") or []:
         p = base / dep
-        parts[dep] = locked.get(dep) or (_sha256_of(p) if p.exists() else "absent")
+        parts[dep] = locked.get(dep) or (sha256_path(p) if p.exists() else "absent")
     params = {k: v for k, v in train_params.items() if k not in NOT_IN_KEY}
     text = json.dumps({"deps": parts, "params": params}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -1,7 +1,7 @@
 """The smoke stage's training-vs-serving agreement: vLLM's acceptance on the training data's eval
 split beside the trainer's estimate on the same split.
 
-The trainer (eagle3pipe.stages.train.evaluate) reports `acc_pos{i}` on the eval split's hidden
+The trainer (eagle3pipe.stages.train.run.evaluate) reports `acc_pos{i}` on the eval split's hidden
 states (metrics/train/metrics.json): the share of reply positions whose draft tokens 0..i all
 match the verifier's greedy token. vLLM reports the same quantity at the positions where it
 drafts (`acceptance_rate_per_position`). The smoke stage generates the prompts of the first
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3pipe.data import samples
-from eagle3pipe.engines.acceptance import ROUND
+from eagle3pipe.stages.smoke.acceptance import ROUND
 from eagle3pipe.runtime.jsonio import read_json_object
-from eagle3pipe.stages.smoke_inputs import SmokeError
+from eagle3pipe.stages.smoke.inputs import SmokeError
 
 EVAL_SPLIT = "eval.jsonl"  # in the dataset stage's output directory
 

@@ -2,7 +2,7 @@
 (engine.engines). The non-speculative reference stays up for the whole run; each group of
 speculative engines (one k) starts, makes its counted pass (lossless check and acceptance
 counters, on a fresh engine; at the serving k the draft in the vllm layout also generates the
-eval split's prompts for eagle3pipe.stages.smoke_agreement), then one warm-up round (every
+eval split's prompts for eagle3pipe.stages.smoke.agreement), then one warm-up round (every
 engine of the group and the reference once, not recorded: the first passes after engine starts
 and other work measured slow), then `smoke.timing_rounds` rounds follow in which the reference
 and every engine of the group generate the whole prompt set once each, in alternating order (A B C, C B A, ...), so that other work on the machine slows every
@@ -22,10 +22,10 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle3pipe.engines import engine
-from eagle3pipe.engines.acceptance import counter_delta, counter_sum, read_counters
-from eagle3pipe.engines.speed import REFERENCE, CpuMeter, Pass
-from eagle3pipe.stages.smoke_agreement import EvalPrompt
-from eagle3pipe.stages.smoke_inputs import FORMATS, NGRAM, SWEPT, Inputs
+from eagle3pipe.stages.smoke.acceptance import counter_delta, counter_sum, read_counters
+from eagle3pipe.stages.smoke.speed import REFERENCE, CpuMeter, Pass
+from eagle3pipe.stages.smoke.agreement import EvalPrompt
+from eagle3pipe.stages.smoke.inputs import FORMATS, NGRAM, SWEPT, Inputs
 
 log = logging.getLogger("eagle3pipe.stages.smoke")
 

@@ -25,19 +25,13 @@ from pathlib import Path
 
 from eagle3pipe.errors import Problem
 from eagle3pipe.verifier import families
+from eagle3pipe.runtime.device import vllm_on_cpu
 from eagle3pipe.verifier.handle import read_config
 
 log = logging.getLogger(__name__)
 
 GPU_PATH = ("run this stage on a machine with a GPU build of vLLM (`pip install vllm`); the "
             "other stages' outputs stay valid")
-
-
-def on_cpu() -> bool:
-    """Whether the installed vLLM runs on its CPU backend here."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def eagle3_limit(decoder: dict, config_path: str | Path, cpu: bool) -> Problem | None:
@@ -71,7 +65,7 @@ def check(verifier_dir: str | Path, *, trust_remote_code: bool, dtype: str,
     _tokenizer(verifier_dir, trust_remote_code, found)
     _routing(decoder, cfg_path, found)
     if cpu is None:
-        cpu = on_cpu()
+        cpu = vllm_on_cpu()
     if cpu and families.is_mla(decoder):
         head = (decoder.get("kv_lora_rank") or 0) + (decoder.get("qk_rope_head_dim") or 0)
         if head != families.CPU_MLA_HEAD:
@@ -140,12 +134,9 @@ def _vllm_class(arch, cfg_path, found) -> None:
 
 def _tensor_names(d, trust_remote_code, dtype, found) -> None:
     from eagle3pipe.engines import verifier_names
+    from eagle3pipe.engines.engine import probe_settings
 
-    settings = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
-                "enable_expert_parallel": False, "gpu_memory_utilization": 0.9,
-                "max_model_len": None, "dtype": dtype, "trust_remote_code": trust_remote_code,
-                "enforce_eager": True, "kv_cache_memory_bytes": None, "seed": 0}
-    rep = verifier_names.check_verifier_names(settings, d)
+    rep = verifier_names.check_verifier_names(probe_settings(dtype, trust_remote_code), d)
     if rep.skipped:
         log.warning("preflight: tensor names not checked (%s); the engine stages load the "
                     "weights themselves", rep.skipped)

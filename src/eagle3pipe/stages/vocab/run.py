@@ -27,7 +27,7 @@ from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier.handle import VerifierInfo
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("eagle3pipe.stages.vocab")
 
 
 def count_masked_tokens(train_jsonl: str | Path, vocab_size: int, *,

@@ -12,7 +12,7 @@ Inputs (all produced by earlier stages):
   artifacts/hidden/{train,eval}      speculators datapaths (ArrowDataset layout)
   artifacts/vocab/vocab_map.safetensors   d2t (offsets) and t2d
 Checkpoints: every train.checkpoint_every steps and when stopped by SIGTERM/SIGINT, under a key
-of the stage's inputs and params (eagle3pipe.stages.train_checkpoint); the next run of the same
+of the stage's inputs and params (eagle3pipe.stages.train.checkpoint); the next run of the same
 key resumes from the newest, with the same bytes at the end as a run never stopped.
 Outputs:
   artifacts/train/{model.safetensors, config.json}   float32, speculators layout, exactly the
@@ -38,9 +38,12 @@ from typing import Any
 
 import torch
 
-from eagle3pipe.config.view import RUN_ONLY, StageView
-from eagle3pipe.data import batches, online, store
-from eagle3pipe.data.batches import Batches, TrainInputError, open_split
+from eagle3pipe.config.view import RunSettings, StageView
+from eagle3pipe.data import store
+from eagle3pipe.hidden import spec
+from eagle3pipe.stages.train import batches
+from eagle3pipe.hidden import online
+from eagle3pipe.stages.train.batches import Batches, TrainInputError, open_split
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft.parsing import read_draft_config
 from eagle3pipe.draft.vocab_map import load as vocab_load
@@ -49,7 +52,6 @@ from eagle3pipe.runtime.distributed import (
     Backend,
     Dist,
     all_reduce,
-    autocast,
     backend_for,
     lost_peers,
     setup_distributed,
@@ -58,8 +60,8 @@ from eagle3pipe.runtime.distributed import (
 )
 from eagle3pipe.runtime.seeds import seed_everything
 from eagle3pipe.stages.runner import Paths
-from eagle3pipe.stages.train_checkpoint import ROOT as CHECKPOINTS
-from eagle3pipe.stages.train_checkpoint import (
+from eagle3pipe.stages.train.checkpoint import ROOT as CHECKPOINTS
+from eagle3pipe.stages.train.checkpoint import (
     Checkpoints,
     after_step,
     key_of,
@@ -67,56 +69,17 @@ from eagle3pipe.stages.train_checkpoint import (
     resume,
     stop_requests,
 )
-from eagle3pipe.stages.train_metrics import Metrics
-from eagle3pipe.stages.train_model import (
+from eagle3pipe.stages.train.metrics import Metrics
+from eagle3pipe.stages.train.model import (
     build_model,
     check_against_verifier,
+    run_batch,
     save_checkpoint,
     start_from,
 )
 from eagle3pipe.verifier.handle import Verifier
 
 log = logging.getLogger("eagle3pipe.stages.train")
-
-
-# ---------------------------------------------------------------------------------------------
-# Forward/backward of one pack
-
-
-def token_weights(chunks: list[dict[str, torch.Tensor]]) -> list[float]:
-    """Each micro-batch's share of the pack's loss-mask tokens (uniform if none are masked)."""
-    n = [float(c["loss_mask"].sum()) for c in chunks]
-    total = sum(n)
-    return [x / total for x in n] if total > 0 else [1.0 / len(n)] * len(n)
-
-
-def run_batch(model, chunks: list[dict[str, torch.Tensor]], *, ttt_steps: int,
-              ttt_step_loss_decay: float, loss_config, backend: Backend, d: Dist,
-              backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward (and backward) of one packed batch given as micro-batches. Returns the pack's
-    loss (token-weighted over micro-batches) and the accuracy count vector
-    [full_correct_i, full_total_i, cond_correct_i, cond_total_i for i < ttt_steps]."""
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    counts = torch.zeros(4 * ttt_steps, dtype=torch.float64)
-    weights = token_weights(chunks)
-    for j, (chunk, w) in enumerate(zip(chunks, weights)):
-        chunk = {k: v.to(d.device) for k, v in chunk.items()}
-        # DDP: gradients are all-reduced once per step, on the last micro-batch (ranks may run
-        # different numbers of micro-batches)
-        sync = not hasattr(model, "no_sync") or j == len(chunks) - 1 or not backward
-        with nullcontext() if sync else model.no_sync():
-            with autocast(backend, d):
-                _, loss, m = model(**chunk, ttt_steps=ttt_steps,
-                                   ttt_step_loss_decay=ttt_step_loss_decay,
-                                   loss_config=loss_config)
-            if backward:
-                (loss * w).backward()
-        loss_sum += w * loss.detach().double().cpu()
-        counts += torch.stack([m[f"{kind}_acc_{i}_{part}"].detach().double().reshape(())
-                               for i in range(ttt_steps) for kind, part in
-                               (("full", "sum"), ("full", "total"), ("cond", "sum"),
-                                ("cond", "total"))]).cpu()
-    return loss_sum, counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +119,7 @@ class TrainState:
     limit: int                   # steps fit() runs: all of them, or max_steps
     step: int = 0
     init: dict | None = None     # train.init_from: what the draft started from (metrics)
-    after_step: Any = lambda idx: None  # on demand: the producer's release (data.online)
+    after_step: Any = lambda idx: None  # on demand: the producer's release (hidden.online)
 
     def run_args(self) -> dict[str, Any]:
         return dict(ttt_steps=self.p.ttt_steps, ttt_step_loss_decay=self.p.ttt_step_loss_decay,
@@ -189,7 +152,7 @@ def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
     d2t, t2d = vocab_load(vocab, arch.draft_vocab_size, arch.vocab_size)
     m = online.read_manifest(hidden)  # None offline; on demand, the states come from an engine
     if m is not None:
-        online.check_manifest(m, batches.NUM_SLOTS, arch.target_hidden_size)
+        online.check_manifest(m, spec.num_slots(arch.aux_layer_ids), arch.target_hidden_size)
     train, ev = (open_split(Path(hidden) / split, p.batch_tokens, arch, backend,
                             online.transfer(m, split)) for split in ("train", "eval"))
     return build_state(p, arch, ver.model_dir, d2t, t2d, train, ev, d=d, backend=backend,
@@ -349,19 +312,40 @@ def run_epochs(s: TrainState, metrics: Metrics, *, progress: bool,
     return last
 
 
+def demand_of(s: TrainState) -> online.Demand | None:
+    """What this trainer reads on demand, from s.step on (past 0 when it resumes a checkpoint):
+    every row's tokens by store key, then the packs in order, the eval packs first (evaluated
+    at step 0 and every eval_every steps); None offline."""
+    tr, ev = s.train.ds.transfer, s.eval.ds.transfer
+    if not isinstance(tr, online.StoreTransfer):
+        return None
+    tokens = {k: list(ids) for split in (s.train, s.eval)
+              for k, ids in zip(split.ds.transfer.keys,
+                                split.ds.data.with_format(None)["input_ids"])}
+    plan = [[ev.keys[i] for i in pack] for pack in s.eval_packs]
+    steps = [idx for packs in s.per_epoch for idx in packs][s.step:s.limit]
+    return online.Demand((tr, ev), tokens, plan + [[tr.keys[i] for i in idx] for idx in steps],
+                         len(plan))
+
+
 def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
           vocab: str | Path, out_dir: str | Path, *, metrics_dir: str | Path, progress: bool,
-          max_steps: int | None = None, run: dict[str, Any] | None = None,
+          max_steps: int | None = None, run: RunSettings | None = None,
           record_to: Path | None = None, checkpoints: Checkpoints | None = None
           ) -> dict[str, Any]:
     """setup(), the newest checkpoint of `checkpoints` put back (if any), then fit(): trains
     the draft from the stage's input files into out_dir and metrics_dir; on demand, while
-    data.online.supply's engine computes the hidden states from the step it resumes at (`run`:
-    its run-only settings, StageView.run_setting). Once published, the checkpoints go.
-    Returns fit()'s last point."""
+    hidden.online.supply's engine computes the hidden states from the step it resumes at
+    (`run`: its run-only settings, StageView.run_settings). Once published, the checkpoints
+    go. Returns fit()'s last point."""
     state = setup(p, draft_config, verifier, hidden, vocab, max_steps=max_steps)
     resumed = resume(state, checkpoints)
-    with online.supply(state, verifier, run or {}, threads=p.threads, record_to=record_to):
+    demand = demand_of(state)
+    with online.supply(demand, verifier, run, threads=p.threads,
+                       record_to=record_to if state.d.main else None) as release:
+        if demand is not None:
+            keys = state.train.ds.transfer.keys
+            state.after_step = lambda idx: release([keys[i] for i in idx])
         last = fit(state, out_dir, metrics_dir=metrics_dir, progress=progress,
                    checkpoints=checkpoints, resumed=resumed)
     if checkpoints is not None and state.d.main:
@@ -376,7 +360,7 @@ def run(params: StageView, paths: Paths) -> None:
     key = key_of(p, paths.dvc_yaml)
     final = train(p, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
                   paths.out, metrics_dir="metrics/train", progress=paths.progress,
-                  run={k: params.run_setting(k) for k in RUN_ONLY},
+                  run=params.run_settings(),
                   record_to=store.counts_path("train", paths.dvc_yaml),
                   checkpoints=Checkpoints(key, Path(paths.dvc_yaml).parent / CHECKPOINTS))
     ev = final.get("eval", {})

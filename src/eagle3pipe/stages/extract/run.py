@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,92 +41,27 @@ from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.data.samples import read as read_split
+from eagle3pipe.engines.engine import numeric
 from eagle3pipe.runtime.atomic import atomic_dir
-from eagle3pipe.runtime.jsonio import read_json_object, write_json
+from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.stages.extract_checks import (
-    ExtractError,
-    Oracle,
-    check_states,
-    slot_names,
-    validate_split,
-)
+from eagle3pipe.hidden.keys import sample_keys
+from eagle3pipe.hidden import spec as capture_spec
+from eagle3pipe.hidden.checks import check_states, validate_split
+from eagle3pipe.hidden.oracle import Oracle
+from eagle3pipe.hidden.spec import CaptureSpec, ExtractError, read_capture, slot_names
 from eagle3pipe.stages.runner import Paths
-from eagle3pipe.verifier.handle import Verifier, VerifierInfo
+from eagle3pipe.verifier.handle import Verifier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("eagle3pipe.stages.extract")
 
 SPLITS = ("train", "eval")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-FINAL_MODES = ("pre_norm",)
 LAYOUT = "speculators-0.9-arrow"
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
-
-
-@dataclass(frozen=True)
-class CaptureSpec:
-    aux_layer_ids: tuple[int, ...]
-    verifier_num_layers: int
-    hidden_size: int
-    final: str
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.aux_layer_ids) + 1
-
-
-def read_capture(path: str | os.PathLike, info: VerifierInfo | None = None) -> CaptureSpec:
-    """Reads configs/capture.json and checks it against the verifier (when given)."""
-    path = Path(path)
-    regen = "regenerate it with `dvc repro configs` (it is derived from params.yaml and the verifier)"
-    doc = read_json_object(path, ExtractError, regen, "capture config")
-    for key in ("aux_layer_ids", "verifier_num_layers", "hidden_size", "final"):
-        if key not in doc:
-            raise ExtractError(f"{path}: missing key '{key}'; {regen}")
-    ids = doc["aux_layer_ids"]
-    if (not isinstance(ids, list) or not ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-        raise ExtractError(f"{path}: aux_layer_ids must be a non-empty list of integers, got "
-                           f"{ids!r}; {regen}")
-    for key in ("verifier_num_layers", "hidden_size"):
-        v = doc[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ExtractError(f"{path}: {key} must be a positive integer, got {v!r}; {regen}")
-    spec = CaptureSpec(tuple(ids), doc["verifier_num_layers"], doc["hidden_size"], doc["final"])
-    if spec.final not in FINAL_MODES:
-        raise ExtractError(f"{path}: final={spec.final!r} is not supported (only "
-                           f"{list(FINAL_MODES)}: the last layer's output before the final "
-                           f"norm, as vLLM feeds EAGLE-3); {regen}")
-    if list(ids) != sorted(set(ids)):
-        raise ExtractError(f"{path}: aux_layer_ids {ids} must be distinct and ascending (vLLM "
-                           f"concatenates aux states in layer order); fix draft.aux_layer_ids in "
-                           f"params.yaml and {regen}")
-    if ids[0] < 0 or ids[-1] > spec.verifier_num_layers:
-        raise ExtractError(f"{path}: aux_layer_ids {ids} out of range [0, "
-                           f"{spec.verifier_num_layers}] for a {spec.verifier_num_layers}-layer "
-                           f"verifier; fix draft.aux_layer_ids in params.yaml and {regen}")
-    if info is not None:
-        check_capture_matches(spec, info, path)
-    return spec
-
-
-def check_capture_matches(spec: CaptureSpec, info: VerifierInfo, path: str | os.PathLike) -> None:
-    """capture.json was rendered for one verifier; extracting another one is a stale config."""
-    problems = []
-    if spec.verifier_num_layers != info.num_hidden_layers:
-        problems.append(f"verifier_num_layers={spec.verifier_num_layers} but the verifier "
-                        f"({info.source}) has num_hidden_layers={info.num_hidden_layers}")
-    if spec.hidden_size != info.hidden_size:
-        problems.append(f"hidden_size={spec.hidden_size} but the verifier ({info.source}) has "
-                        f"hidden_size={info.hidden_size}")
-    if problems:
-        raise ExtractError(f"{path}: does not match the verifier: " + "; ".join(problems)
-                           + ". The capture config is stale: regenerate it with `dvc repro "
-                           "configs` (or point --capture/--verifier at matching files)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,16 +117,6 @@ def write_split(out_dir: Path, samples: list[Sample], entries: list[Path] | None
                for i, entry in enumerate(entries))
 
 
-def sample_keys(v: Verifier, samples: list[Sample], layer_ids: list[int], settings: dict,
-                dtype: str) -> list[str]:
-    """Each sample's store key: what determines its hidden states (eagle3pipe.data.store)."""
-    from eagle3pipe.engines.engine import numeric
-
-    base = {"stage": "extract", "verifier": v.fingerprint, "engine": numeric(settings),
-            "layer_ids": layer_ids, "dtype": dtype}
-    return [store.key(**base, tokens=list(s.input_ids)) for s in samples]
-
-
 def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             capture_path: str | os.PathLike, out_dir: str | os.PathLike, *, settings: dict,
             e, progress: bool = True, record_to: Path | None = None) -> dict:
@@ -209,8 +133,10 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     log.info("verifier %s: %d layers, H=%d; vLLM captures aux %s + pre-norm final, stored as "
              "%s", v.model_dir, v.info.num_hidden_layers, v.info.hidden_size, aux, e.dtype)
     out_dir = Path(out_dir)
-    layer_ids = aux + [v.info.num_hidden_layers]
-    keys = {name: sample_keys(v, ss, layer_ids, settings, e.dtype) for name, ss in splits.items()}
+    layer_ids = spec.layer_ids
+    keys = {name: sample_keys(v.fingerprint, [s.input_ids for s in ss], layer_ids,
+                              numeric(settings), e.dtype)
+            for name, ss in splits.items()}
     hs = store.Store("hidden")
     # transformers' side of the oracle before the engine starts (never both models in memory):
     # each oracle sample is compared as soon as vLLM hands it over, in the first batch
@@ -227,7 +153,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
             linked += write_split(tmp / name, samples,
                                   None if on_demand else [hs.path(k) for k in keys[name]])
             validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
-                           DTYPES[e.dtype], layer_ids=layer_ids, rows_only=on_demand)
+                           capture_spec.torch_dtype(e.dtype), layer_ids=layer_ids, rows_only=on_demand)
         total = sum(map(len, capture.values()))
         oracle = oracle.finish(lambda i: load_file(hs.path(keys["train"][i]))["hidden_states"])
         counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
@@ -268,8 +194,6 @@ def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
            "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
            "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
     if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
-        from eagle3pipe.engines.engine import numeric
-
         doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
                 "layer_ids": layer_ids, "engine_settings": numeric(settings)}
     return doc
@@ -283,8 +207,8 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
     engine hands it over (a crash keeps what was finished; a refused sample is not stored).
     No engine starts when nothing is missing. Returns (the engine's seconds, the keys
     computed)."""
-    from eagle3pipe.engines import capture, engine
-
+    from eagle3pipe.engines import engine
+    from eagle3pipe.hidden import capture
     todo = [(name, i) for name, ss in splits.items() for i, k in enumerate(keys[name][:len(ss)])
             if not hs.has(k)]
     todo = list({keys[n][i]: (n, i) for n, i in todo}.values())  # a repeated sample: once
@@ -300,7 +224,7 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
         for j, hidden in capture.hidden_states(llm, prompts, batch_size=e.batch_size):
             seconds += time.perf_counter() - t0
             n, i = todo[j]
-            stored = hidden.to(DTYPES[e.dtype]).contiguous()
+            stored = hidden.to(capture_spec.torch_dtype(e.dtype)).contiguous()
             check_states(stored, prompts[j], layer_ids, file=str(dataset_dir / f"{n}.jsonl"),
                          sample=f"{n} sample {i} ({splits[n][i].id})")
             oracle.see(keys[n][i], stored)
@@ -318,7 +242,7 @@ def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, set
     tokens = sum(c["tokens"] for c in counts.values())
     hs_bytes = sum(tree_bytes(out_dir / n / "hidden_states") for n in SPLITS)
     total = tree_bytes(out_dir)
-    elem = torch.tensor([], dtype=DTYPES[e.dtype]).element_size()
+    elem = torch.tensor([], dtype=capture_spec.torch_dtype(e.dtype)).element_size()
     return {
         "engine": "vllm", "tensor_parallel_size": settings["tensor_parallel_size"],
         "engine_settings": numeric(settings),

@@ -11,7 +11,7 @@ class Metrics:
     """dvclive on rank 0 (`metrics_dir` None elsewhere: every call is then a no-op); values
     rounded to 6 significant digits. Creating it clears the old plots, unless it resumes a run:
     `summary` is then what summary() returned at the checkpoint, and the plots are the
-    checkpoint's (train_checkpoint.restore_metrics), appended to from here."""
+    checkpoint's (checkpoint.restore_metrics), appended to from here."""
 
     def __init__(self, metrics_dir: str | Path | None, summary: dict | None = None):
         if metrics_dir is not None and summary is not None:

@@ -1,6 +1,6 @@
 """The smoke stage's inputs: the exported drafts, the serving k and its sweep, the evaluation
 prompts and the engine settings, read and checked before any engine starts
-(eagle3pipe.stages.smoke runs them).
+(eagle3pipe.stages.smoke.run runs them).
 
 k is the exported speculators config's serving default (proposal method `speculative_tokens`),
 so the stage reads no draft params. `smoke.k_sweep` also measures the draft (vllm layout: the

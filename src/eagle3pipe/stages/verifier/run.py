@@ -34,7 +34,7 @@ from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier import fingerprint as fp
 from eagle3pipe.verifier.handle import MANIFEST, VerifierError, VerifierInfo
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("eagle3pipe.stages.verifier")
 
 # Small top-level files of a checkpoint that downstream stages read without the weights: the
 # config, the tokenizer in every format transformers knows, the chat template, generation
@@ -75,8 +75,7 @@ def build(vp, out_dir: str | Path, *, draft=None, params_file: str = "params.yam
 def preflight(d: Path, engine: dict, params_file: str, lines: dict | None) -> list[str]:
     """preflight.check on the checkpoint in d: raises VerifierError on any error; returns the
     limits (as text) after logging them."""
-    from eagle3pipe.verifier import preflight as pf
-
+    from eagle3pipe.engines import preflight as pf
     errors, limits = pf.check(d, trust_remote_code=engine["trust_remote_code"],
                               dtype=engine["dtype"], params_file=params_file, lines=lines)
     pf.report(errors, limits)

@@ -16,11 +16,11 @@ nested one) it
 and measures vLLM's `ngram` (prompt lookup) method on the same prompts with the same k as a
 baseline. It fails when the draft's mean acceptance length is below smoke.min_acceptance_length
 or below smoke.min_gain_over_ngram times ngram's. What it reads, and how k and the prompts are
-chosen: eagle3pipe.stages.smoke_inputs.
+chosen: eagle3pipe.stages.smoke.inputs.
 
-The engines and the order they run in: eagle3pipe.stages.smoke_engines; speed:
-eagle3pipe.engines.speed. Training and serving must agree: the draft's acceptance in vLLM on the
-training data's eval split beside the trainer's estimate on it (eagle3pipe.stages.smoke_agreement);
+The engines and the order they run in: eagle3pipe.stages.smoke.engines; speed:
+eagle3pipe.stages.smoke.speed. Training and serving must agree: the draft's acceptance in vLLM on the
+training data's eval split beside the trainer's estimate on it (eagle3pipe.stages.smoke.agreement);
 a gap above smoke.max_train_serve_gap fails the stage, and the figure is in metrics/smoke.json.
 
 Outputs: metrics/smoke.json is deterministic (counts and 4-decimal floats, no timings);
@@ -39,15 +39,16 @@ from typing import Any, Callable
 from eagle3pipe.config.view import StageView
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import ParamsAt
-from eagle3pipe.engines.acceptance import ROUND, acceptance, mismatches
-from eagle3pipe.engines.speed import REFERENCE, timing_of
+from eagle3pipe.stages.smoke.acceptance import ROUND, acceptance, mismatches
+from eagle3pipe.stages.smoke.speed import REFERENCE, timing_of
 from eagle3pipe.runtime.jsonio import dumps, write_json
 from eagle3pipe.runtime.kernels import kernels
+from eagle3pipe.runtime.device import vllm_on_cpu
 from eagle3pipe.runtime.seeds import seed_everything
-from eagle3pipe.stages import smoke_agreement as agreement
+from eagle3pipe.stages.smoke import agreement
 from eagle3pipe.stages.runner import Paths
-from eagle3pipe.stages.smoke_engines import EngineRun, Measured, run_engines
-from eagle3pipe.stages.smoke_inputs import (
+from eagle3pipe.stages.smoke.engines import EngineRun, Measured, run_engines
+from eagle3pipe.stages.smoke.inputs import (
     NGRAM,
     SWEPT,
     Inputs,
@@ -56,8 +57,7 @@ from eagle3pipe.stages.smoke_inputs import (
     check_loads,
     read_inputs,
 )
-from eagle3pipe.verifier import preflight
-
+from eagle3pipe.engines import preflight
 log = logging.getLogger("eagle3pipe.stages.smoke")
 
 # the stage's other outputs, beside its --metrics and --plots paths (dvc.yaml names them too)
@@ -178,7 +178,7 @@ def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *
 
 def agreement_of(s, k: int, run: EngineRun, prompts: list, trained: list[float],
                  source: str) -> tuple[dict, str | None]:
-    """The draft's acceptance on the eval split beside the trainer's (smoke_agreement)."""
+    """The draft's acceptance on the eval split beside the trainer's (agreement)."""
     served = acceptance(run.counters, k, sum(map(len, run.token_ids)))
     equal = sum(got == p.reply for got, p in zip(run.token_ids, prompts))
     return agreement.compare(served, trained, k, tolerance=s.max_train_serve_gap,
@@ -261,7 +261,7 @@ def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Pa
     with engine.frozen_heap():
         check_loads(s, inp)
         limit = preflight.eagle3_limit(inp.verifier.config, inp.verifier.config_path,
-                                       preflight.on_cpu())
+                                       vllm_on_cpu())
         if limit:  # the verifier stage's preflight reported it up front
             raise SmokeError(f"{limit.file}: {limit.key}: {limit.message} (the exports passed "
                              "vLLM's engine-less load check)", fix=limit.fix)

@@ -2,20 +2,22 @@
 checked against the verifier, speculators' Eagle3DraftModel built from the same
 Eagle3SpeculatorConfig the configs stage renders (eagle3pipe.draft.formats.eagle3_config), the
 start from a previous draft (train.init_from, eagle3pipe.draft.init_from), and the checkpoint
-written as exactly the contract's tensors. eagle3pipe.stages.train drives it."""
+written as exactly the contract's tensors. eagle3pipe.stages.train.run drives it."""
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from eagle3pipe.data.batches import TrainInputError
+from eagle3pipe.stages.train.batches import TrainInputError
 from eagle3pipe.draft import arch as archmod
 from eagle3pipe.draft import init_from
 from eagle3pipe.draft.formats import eagle3_config
 from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.runtime.distributed import Backend, Dist, autocast
 from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.verifier import families
 from eagle3pipe.verifier.handle import VerifierInfo
@@ -120,3 +122,43 @@ def save_checkpoint(model, arch: archmod.DraftArch, out_dir: str | Path) -> None
         (tmp / "config.json").write_text(dumps(config))
         for f in tmp.iterdir():
             f.chmod(0o644)  # safetensors writes 0600 (a temp file renamed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward/backward of one pack
+
+
+def token_weights(chunks: list[dict[str, torch.Tensor]]) -> list[float]:
+    """Each micro-batch's share of the pack's loss-mask tokens (uniform if none are masked)."""
+    n = [float(c["loss_mask"].sum()) for c in chunks]
+    total = sum(n)
+    return [x / total for x in n] if total > 0 else [1.0 / len(n)] * len(n)
+
+
+def run_batch(model, chunks: list[dict[str, torch.Tensor]], *, ttt_steps: int,
+              ttt_step_loss_decay: float, loss_config, backend: Backend, d: Dist,
+              backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (and backward) of one packed batch given as micro-batches. Returns the pack's
+    loss (token-weighted over micro-batches) and the accuracy count vector
+    [full_correct_i, full_total_i, cond_correct_i, cond_total_i for i < ttt_steps]."""
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    counts = torch.zeros(4 * ttt_steps, dtype=torch.float64)
+    weights = token_weights(chunks)
+    for j, (chunk, w) in enumerate(zip(chunks, weights)):
+        chunk = {k: v.to(d.device) for k, v in chunk.items()}
+        # DDP: gradients are all-reduced once per step, on the last micro-batch (ranks may run
+        # different numbers of micro-batches)
+        sync = not hasattr(model, "no_sync") or j == len(chunks) - 1 or not backward
+        with nullcontext() if sync else model.no_sync():
+            with autocast(backend, d):
+                _, loss, m = model(**chunk, ttt_steps=ttt_steps,
+                                   ttt_step_loss_decay=ttt_step_loss_decay,
+                                   loss_config=loss_config)
+            if backward:
+                (loss * w).backward()
+        loss_sum += w * loss.detach().double().cpu()
+        counts += torch.stack([m[f"{kind}_acc_{i}_{part}"].detach().double().reshape(())
+                               for i in range(ttt_steps) for kind, part in
+                               (("full", "sum"), ("full", "total"), ("cond", "sum"),
+                                ("cond", "total"))]).cpu()
+    return loss_sum, counts

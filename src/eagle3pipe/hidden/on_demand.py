@@ -1,5 +1,5 @@
-"""The engine behind on-demand hidden states (extract.mode online/hybrid, eagle3pipe.data.online):
-vLLM with the extract stage's capture (eagle3pipe.engines.capture), either inside the train
+"""The engine behind on-demand hidden states (extract.mode online/hybrid, eagle3pipe.hidden.online):
+vLLM with the extract stage's capture (eagle3pipe.hidden.capture), either inside the train
 stage or as vLLM's OpenAI server elsewhere (extract.endpoint), started by `eagle3pipe serve
 --hidden-states` from the same params (eagle3pipe.tools.serve).
 
@@ -27,14 +27,13 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file
 
+from eagle3pipe.config.view import RunSettings
 from eagle3pipe.data import store
 from eagle3pipe.errors import Error
 
 INCOMING = "incoming"
 SERVER_JSON = "server.json"
 REQUEST_TIMEOUT_S = 600.0
-RUN_KEYS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len",
-            "trust_remote_code", "cpu_omp_threads_bind")  # vllm's run-only settings
 
 
 class EndpointError(Error, RuntimeError):
@@ -51,19 +50,19 @@ def describe(fingerprint: str, numeric: dict, layer_ids: list[int]) -> dict:
 
 
 @contextlib.contextmanager
-def source(m, v, run: dict[str, Any], *, threads: int, needed: bool = True) -> Iterator[Any]:
+def source(m, v, run: RunSettings, *, threads: int, needed: bool = True) -> Iterator[Any]:
     """compute(prompts) -> (index, hidden [T, slots, H]) per prompt, from the server at
-    run["extract.endpoint"], or from an engine started here with the manifest's numeric
+    run.endpoint, or from an engine started here with the manifest's numeric
     settings and the run-only ones; none when nothing is `needed` (all in the store)."""
     if not needed:
         yield None
         return
-    if run["extract.endpoint"]:
-        yield Server(run["extract.endpoint"], describe(v.fingerprint, m.engine, m.layer_ids))
+    if run.endpoint:
+        yield Server(run.endpoint, describe(v.fingerprint, m.engine, m.layer_ids))
         return
-    from eagle3pipe.engines import capture, engine
-
-    settings = {**m.engine, **{k: run[f"vllm.{k}"] for k in RUN_KEYS}}
+    from eagle3pipe.engines import engine
+    from eagle3pipe.hidden import capture
+    settings = {**m.engine, **run.vllm()}
     parent = store.root()
     parent.mkdir(parents=True, exist_ok=True)
     with capture.storage_dir(parent) as where, engine.engine(
@@ -112,7 +111,7 @@ class Server:
         return Path((r.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
 
     def __call__(self, prompts: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
-        from eagle3pipe.engines.capture import FLUSH_TIMEOUT_S
+        from eagle3pipe.hidden.capture import FLUSH_TIMEOUT_S
 
         try:
             with ThreadPoolExecutor(max(1, len(prompts))) as pool:

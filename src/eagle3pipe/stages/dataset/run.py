@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
@@ -48,7 +48,7 @@ from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier.handle import Verifier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("eagle3pipe.stages.dataset")
 
 class DatasetError(Error, ValueError):
     """A problem with the stage's inputs or settings that stops the stage."""

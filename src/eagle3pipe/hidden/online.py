@@ -37,15 +37,16 @@ import torch
 from hs_connectors import HiddenStatesTransfer
 from safetensors.torch import load_file
 
+from eagle3pipe.config.view import RunSettings
 from eagle3pipe.data import store
+from eagle3pipe.hidden import spec
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.units import human
 
-log = logging.getLogger("eagle3pipe.data.online")
+log = logging.getLogger("eagle3pipe.hidden.online")
 
 PREFETCH_PACKS = 4  # packed batches computed ahead of the trainer (eagle3pipe plan uses it)
 MODES = ("online", "hybrid")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class OnlineError(Error, RuntimeError):
@@ -74,7 +75,7 @@ def read_manifest(hidden_dir: str | Path) -> Manifest | None:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None  # an offline output is checked file by file (data.batches)
+        return None  # an offline output is checked file by file (stages.train.batches)
     if doc.get("mode", "offline") not in MODES:
         return None
     try:
@@ -143,7 +144,7 @@ class Producer:
         prompts = [self.tokens[k] for k in keys]
         for j, hidden in self.compute(prompts):
             k = keys[j]
-            stored = hidden.to(DTYPES[self.m.dtype]).contiguous()
+            stored = hidden.to(spec.torch_dtype(self.m.dtype)).contiguous()
             self.check(stored, prompts[j], k)
             path = self.hs.put_hidden(k, prompts[j], stored)
             with self.cond:
@@ -239,61 +240,62 @@ def check_manifest(m: Manifest, num_slots: int, hidden_size: int) -> None:
                           fix="rerun `dvc repro extract` (the draft config changed since)")
 
 
-def plan_of(s) -> tuple[list[list[str]], int]:
-    """The keys a TrainState reads, pack by pack, in order: the eval packs (evaluated at step 0
-    and then every eval_every steps), then the steps fit() runs from s.step (past 0 when it
-    resumes a checkpoint). Returns (plan, eval packs)."""
-    ev, tr = s.eval.ds.transfer.keys, s.train.ds.transfer.keys
-    plan = [[ev[i] for i in pack] for pack in s.eval_packs]
-    steps = [idx for packs in s.per_epoch for idx in packs][s.step:s.limit]
-    return plan + [[tr[i] for i in idx] for idx in steps], len(plan)
+@dataclass(frozen=True)
+class Demand:
+    """What a trainer will read on demand, in order, handed to supply() explicitly: every
+    row's tokens by store key, and the packs of keys in the order it reads them (its first
+    `lead` packs are the eval split's, read at every evaluation and kept to the end)."""
+    transfers: tuple[StoreTransfer, ...]  # the splits' seams, which the producer feeds
+    tokens: dict[str, list[int]]
+    plan: list[list[str]]
+    lead: int
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.transfers[0].manifest
 
 
 @contextlib.contextmanager
-def supply(s, verifier_dir: str | Path, run: dict[str, Any], *, threads: int,
-           record_to: Path | None) -> Iterator[None]:
-    """While fit() runs: the producer of a TrainState whose splits read through StoreTransfer
-    (nothing offline), fed by the engine extract.endpoint names or by one started here with
-    the manifest's numeric settings and the run-only ones (`run`: vllm's memory bounds and
-    limits, extract.endpoint, extract.batch_size). On exit: what it computed, kept and
-    deleted, and how long the trainer waited, logged and written to `record_to` (rank 0)."""
-    t = s.train.ds.transfer
-    if not isinstance(t, StoreTransfer):
-        yield
+def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | None, *,
+           threads: int, record_to: Path | None) -> Iterator[Callable[[list[str]], None]]:
+    """While the trainer runs: the producer of `demand` (offline, None: nothing), fed by the
+    engine extract.endpoint names or by one started here with the manifest's numeric
+    settings and the run-only ones (`run`). Yields release(keys), which the trainer calls
+    with each train pack's keys once it is done with them. On exit: what it computed, kept
+    and deleted, and how long the trainer waited, logged and written to `record_to`."""
+    if demand is None:
+        yield lambda keys: None
         return
-    m = t.manifest
-    from eagle3pipe.engines import on_demand
-    from eagle3pipe.stages.extract_checks import check_states
+    if run is None:
+        raise OnlineError("on-demand hidden states need the run-only settings",
+                          fix="pass run=params.run_settings() (eagle3pipe.config.view)")
+    from eagle3pipe.hidden import on_demand
+    from eagle3pipe.hidden.checks import check_states
     from eagle3pipe.verifier.handle import Verifier
 
+    m = demand.manifest
     v = Verifier(verifier_dir)
-    tokens = {k: list(ids) for split in (s.train, s.eval)
-              for k, ids in zip(split.ds.transfer.keys, split.ds.data.with_format(None)["input_ids"])}
-    plan, lead = plan_of(s)
 
     def check(hidden: torch.Tensor, ids: list[int], k: str) -> None:
         check_states(hidden, ids, m.layer_ids, file=str(m.path), sample=f"store key {k}")
 
     hs = store.Store("hidden")
-    needed = not all(hs.has(k) for k in tokens)  # a hybrid rerun: no engine starts
+    needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
     with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
-        p = Producer(compute, hs, tokens, plan, m=m, lead=lead,
-                     batch_size=run["extract.batch_size"], window=PREFETCH_PACKS,
-                     check=check).start()
-        for split in (s.train, s.eval):
-            split.ds.transfer.producer = p
-        keys = s.train.ds.transfer.keys
-        s.after_step = lambda idx: p.release([keys[i] for i in idx])
+        p = Producer(compute, hs, demand.tokens, demand.plan, m=m, lead=demand.lead,
+                     batch_size=run.batch_size, window=PREFETCH_PACKS, check=check).start()
+        for t in demand.transfers:
+            t.producer = p
         try:
-            yield
+            yield p.release
         finally:
             stats = p.close()
-    engine = (run["extract.endpoint"] or "engine in this stage") if needed else \
+    engine = (run.endpoint or "engine in this stage") if needed else \
         "no engine started: every sample was in the store"
     log.info("%s: computed %d samples' hidden states (%s), kept %d in the store, deleted %d; "
              "the trainer waited %.3f s for the engine", m.mode, stats["computed"], engine,
              stats["kept_in_store"], stats["deleted"], stats["engine_wait_seconds"])
-    if record_to is not None and s.d.main:
+    if record_to is not None:
         from eagle3pipe.runtime.jsonio import write_json
 
         write_json(record_to, stats)

@@ -39,7 +39,7 @@ test: setup
 	$(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not integration"
 
 check: setup
 	eagle3pipe check $(foreach d,$(wildcard artifacts/export/vllm artifacts/export/speculators),--checkpoint $(d))

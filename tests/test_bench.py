@@ -27,6 +27,7 @@ def test_committed_results_carry_the_comparable_fields():
     assert res["command"].startswith("python bench/run.py")
 
 
+@pytest.mark.integration
 def test_scaling_point_runs_extract_and_train_paths(tmp_path):
     """One (hidden 32, 64 tokens) point of the scaling grid: random verifier, extract_split vs
     bare forward, a real speculators datapath, the train loop vs speculators' step, TSV + PNG."""

@@ -326,6 +326,7 @@ def test_render_is_byte_identical_and_idempotent(tmp_path):
     assert first == {p: p.read_bytes() for p in (tmp_path / "configs").rglob("*.json")}
 
 
+@pytest.mark.integration
 def test_make_check_names_hand_edit(tmp_path):
     """`make check` on a clone whose committed config was edited by hand fails naming it."""
     repo = tmp_path / "repo"
@@ -678,6 +679,7 @@ def test_repository_scans_clean_and_fast():
     assert problems == [], "\n".join(problems)
 
 
+@pytest.mark.integration
 def test_subprocess_exit_code_and_no_traceback(tmp_path):
     """The issue's two misses, through the installed command line in its own process."""
     import sys

@@ -68,6 +68,7 @@ def check_masks(samples, tokenizer):
                                                       add_generation_prompt=True)
 
 
+@pytest.mark.integration
 def test_stdlib_prompts_masks_cover_exactly_the_reply(stdlib_run, tokenizer):
     out, metrics = stdlib_run
     samples = samples_of(out)
@@ -96,6 +97,7 @@ def test_stdlib_prompts_masks_cover_exactly_the_reply(stdlib_run, tokenizer):
         "no timings in committed metrics"
 
 
+@pytest.mark.integration
 def test_rerun_is_byte_identical(stdlib_run, micro_verifier, tmp_path):
     out, _ = stdlib_run
     again = tmp_path / "dataset"
@@ -104,6 +106,7 @@ def test_rerun_is_byte_identical(stdlib_run, micro_verifier, tmp_path):
         assert (again / name).read_bytes() == (out / name).read_bytes()
 
 
+@pytest.mark.integration
 def test_reply_closed_by_the_verifier_keeps_a_single_end(stdlib_run, micro_verifier_copy,
                                                           tokenizer, tmp_path):
     """Swap the lm_head rows of <|end|> and the token the verifier chose first for sample 0:
@@ -170,6 +173,7 @@ def test_every_bad_line_kind_is_an_error_naming_file_and_line(tokenizer, tmp_pat
         assert "fix:" in str(e.value)
 
 
+@pytest.mark.integration
 def test_bad_lines_skipped_counted_and_reported(micro_verifier, tokenizer, tmp_path):
     bads = bad_lines(tokenizer)
     conv = {"messages": [{"role": "system", "content": "You write Python."},

@@ -91,6 +91,7 @@ def _repo_at_current_code(tmp_path: Path) -> Path:
     return repo
 
 
+@pytest.mark.integration
 def test_editing_plan_rendering_reruns_no_stage(tmp_path):
     repo = _repo_at_current_code(tmp_path)
     plan = repo / "src/eagle3pipe/tools/plan.py"
@@ -101,6 +102,7 @@ def test_editing_plan_rendering_reruns_no_stage(tmp_path):
     assert _changed_deps(repo) == {"smoke": {"src/eagle3pipe/stages/smoke/run.py"}}
 
 
+@pytest.mark.integration
 def test_editing_an_estimate_reruns_no_stage(tmp_path):
     """Every module of eagle3pipe.estimates edited (a formula's constant, and a line in each):
     `dvc status` reports no stage changed, although every stage runs the runner, which imports

@@ -22,6 +22,8 @@ from eagle3pipe.verifier.handle import read_config
 
 from helpers.training import MICRO_TRAIN, draft_arch, make_inputs, write_draft_config
 
+pytestmark = pytest.mark.integration  # every test reads a trained, exported micro draft
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -191,6 +191,7 @@ def test_padding_invariance(model):
 # On-disk layout
 
 
+@pytest.mark.integration
 def test_speculators_arrow_dataset_reads_output(extracted, model):
     from speculators.train.data import ArrowDataset
 
@@ -232,6 +233,7 @@ def test_speculators_arrow_dataset_reads_output(extracted, model):
     assert manifest["aux_layer_ids"] == AUX and manifest["final"] == "pre_norm"
 
 
+@pytest.mark.integration
 def test_byte_identical_on_rerun(extracted, micro_verifier, tmp_path):
     root, ds, cap, _ = extracted
     extract.extract(micro_verifier, ds, cap, tmp_path / "again", settings=engine_settings(), e=section(),
@@ -246,6 +248,7 @@ def test_byte_identical_on_rerun(extracted, micro_verifier, tmp_path):
 # Validation and errors
 
 
+@pytest.mark.integration
 def test_validation_rejects_nan_and_wrong_tokens(extracted, tmp_path):
     root, ds_dir, _, _ = extracted
     hs_file = root / "hidden" / "train" / "hidden_states" / "hs_2.safetensors"
@@ -408,6 +411,7 @@ def test_oracle_on_a_prefix_where_the_decoder_does_not_fit(micro_verifier, tmp_p
         oracle.oracle_check(v, rows, states.__getitem__, AUX, section(oracle_samples=2))
 
 
+@pytest.mark.integration
 def test_a_samples_states_do_not_depend_on_its_batch(micro_verifier, tmp_path):
     """What the store's reuse relies on (eagle3pipe.data.store): vLLM computes a sample's hidden
     states bit for bit the same whether it is batched with others, alone, or with different
@@ -451,6 +455,7 @@ DEGENERATE = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", checkpoints.DEGENERATE)
 def test_degenerate_states_are_refused_and_nothing_is_published(kind, micro_verifier, tmp_path):
     """A real checkpoint whose states no healthy verifier computes, served by real vLLM: the
@@ -476,6 +481,7 @@ def test_degenerate_states_are_refused_and_nothing_is_published(kind, micro_veri
     assert _store_entries() == []  # a refused sample is not kept
 
 
+@pytest.mark.integration
 def test_a_degenerate_store_entry_is_refused_when_reused(extracted, tmp_path):
     """The states published from the store are checked too (validate_split), not only the
     ones the engine hands over: a stored sample whose two slots are equal is refused."""
@@ -515,6 +521,7 @@ def test_check_states_allows_what_healthy_verifiers_compute():
 # The oracle fails fast
 
 
+@pytest.mark.integration
 def test_oracle_fails_on_the_first_batch_before_computing_the_rest(micro_verifier, tmp_path,
                                                                      monkeypatch):
     """A capture the oracle rejects (here a tolerance below bf16 rounding) fails as soon as

@@ -510,6 +510,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.integration
 def test_torchrun_workers_die_with_torchrun_bound_or_still_importing(tmp_path):
     """torchrun starts each worker in a session of its own: a SIGKILL of torchrun's process
     group does not reach them. The bound worker dies with torchrun (PDEATHSIG); the one still
@@ -553,6 +554,7 @@ stage.main("vocab", run, paths=("dataset", "verifier_config", "out"))
 """
 
 
+@pytest.mark.integration
 @needs_unshare
 def test_a_full_disk_is_one_error_naming_the_output(tmp_path):
     mnt = tmp_path / "small"

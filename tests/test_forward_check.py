@@ -18,6 +18,8 @@ from eagle3pipe.runtime.jsonio import dumps
 from helpers import drafts
 from helpers.micro import engine_settings
 
+pytestmark = pytest.mark.integration  # vLLM's draft classes on exported drafts
+
 K = 3  # speculative steps, as the micro pipeline serves
 T = 8  # prefix length
 NORMS = ("none", "norm_before_fc", "fc_norm")

@@ -44,6 +44,7 @@ def test_declared_params_are_schema_keys():
                 f"stage {name} declares {key}, which params.py does not define"
 
 
+@pytest.mark.integration
 def test_invalidation_table_rows():
     """The promise in the README, as computed from dvc.yaml and the renderers."""
     t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "tests/data/params.yaml",
@@ -69,6 +70,7 @@ def test_invalidation_table_rows():
     assert "configs" in t["verifier.embedded.hidden_size"]
 
 
+@pytest.mark.integration
 def test_docs_show_the_generated_table():
     """docs/invalidation.md holds `python -m eagle3pipe.tools.invalidation`'s output as it is now."""
     t = graph.invalidation_table(ROOT / "dvc.yaml", ROOT / "params.yaml")

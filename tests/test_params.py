@@ -495,6 +495,7 @@ def inputs_doc() -> str:
     return "\n".join(out) + "\n"
 
 
+@pytest.mark.integration
 def test_inputs_doc_is_generated_from_the_case_lists():
     kinds = {kind: rows for kind, _, rows in input_kinds()}
     assert sum(len(rows) for rows in kinds.values()) >= 60

@@ -63,6 +63,7 @@ def _failing_step(monkeypatch, at: int, action):
     return real
 
 
+@pytest.mark.integration
 def test_sigterm_saves_then_the_rerun_resumes_to_the_same_bytes(inputs, reference, tmp_path,
                                                                 monkeypatch, caplog):
     c = ck.Checkpoints("k", tmp_path / "ck")
@@ -82,6 +83,7 @@ def test_sigterm_saves_then_the_rerun_resumes_to_the_same_bytes(inputs, referenc
     assert not c.dir.exists()
 
 
+@pytest.mark.integration
 def test_a_crash_resumes_from_the_newest_checkpoint(inputs, reference, tmp_path, monkeypatch,
                                                     caplog):
     c = ck.Checkpoints("k", tmp_path / "ck")
@@ -99,6 +101,7 @@ def test_a_crash_resumes_from_the_newest_checkpoint(inputs, reference, tmp_path,
     assert _outputs(tmp_path) == reference.out
 
 
+@pytest.mark.integration
 def test_a_half_written_checkpoint_is_never_resumed(inputs, tmp_path):
     """A checkpoint is published whole (runtime.atomic_dir): a directory without its
     checkpoint.json, as a kill mid-write would leave beside it, is not a checkpoint."""

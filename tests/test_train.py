@@ -54,6 +54,7 @@ def _tsv(path: Path) -> list[tuple[int, float]]:
     return [(int(r.split("\t")[head.index("step")]), float(r.split("\t")[-1])) for r in rows[1:]]
 
 
+@pytest.mark.integration
 def test_checkpoint_is_exactly_the_speculators_contract(inputs, trained):
     spec = archmod.contract(dataclasses.replace(inputs.arch, dtype="float32"), "speculators")
     with safe_open(str(trained.out / "model.safetensors"), "pt") as f:
@@ -78,6 +79,7 @@ def test_checkpoint_is_exactly_the_speculators_contract(inputs, trained):
     assert torch.equal(torch.arange(128) + t["d2t"], torch.nonzero(t["t2d"]).flatten())
 
 
+@pytest.mark.integration
 def test_training_reduces_eval_loss_and_logs_dvclive(trained):
     evals = _tsv(trained.metrics / "plots" / "metrics" / "eval" / "loss.tsv")
     assert evals[0][0] == 0 and len(evals) >= 3
@@ -106,6 +108,7 @@ def test_two_runs_are_byte_identical(inputs, trained, tmp_path):
             assert other.read_bytes() == f.read_bytes(), f
 
 
+@pytest.mark.integration
 def test_checkpoint_reloads_in_speculators(inputs, trained):
     from speculators.models.eagle3 import Eagle3DraftModel
 
@@ -116,6 +119,7 @@ def test_checkpoint_reloads_in_speculators(inputs, trained):
         assert torch.equal(sd[name].to(tensor.dtype), tensor), name
 
 
+@pytest.mark.integration
 def test_trainer_parts_are_what_fit_runs(inputs, trained):
     """setup -> TrainState, evaluate and step are fit()'s own parts: a fresh state's eval and
     first step give the values the trained fixture's fit() logged at steps 0 and 1."""
@@ -241,6 +245,7 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
     assert torch.equal(c1[1::4], c2[1::4])  # same positions counted
 
 
+@pytest.mark.integration
 def test_stage_script_runs_from_params(inputs, tmp_path):
     """stages/train.py with the dvc.yaml arguments, params read through for_stage('train')."""
     params = (ROOT / "params.yaml").read_text()

@@ -199,6 +199,7 @@ def test_full_hash_mode_records_every_files_sha256(tmp_path):
 # The stage script
 
 
+@pytest.mark.integration
 def test_stage_script_path_mode_end_to_end(tmp_path, micro_verifier):
     make_checkpoint(tmp_path / "ckpt", shards=3, shard_gib=4.0)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the preflight
@@ -279,6 +280,7 @@ def test_malformed_verifier_is_refused_before_writing(micro_verifier_copy, tmp_p
     assert not out.exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3", "kimi_k2"])
 def test_suggested_aux_ids_are_themselves_valid(model_type):
     """The aux-id fix a refusal suggests passes the same checks (arch.derive): three distinct,

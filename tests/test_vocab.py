@@ -115,6 +115,7 @@ def test_empty_dataset_refused(tmp_path):
         vocab.count_masked_tokens(f, 64, progress=False)
 
 
+@pytest.mark.integration
 def test_stage_script_refuses_draft_vocab_larger_than_vocab(tmp_path):
     text = (ROOT / "params.yaml").read_text()
     assert text.count("draft_vocab_size: 1024") == 1

@@ -1,6 +1,8 @@
 """dvc.yaml is complete: every stage lists the code it runs, and the params it declares exist."""
 from __future__ import annotations
 
+import pytest
+
 from eagle3pipe.tools import deps
 from eagle3pipe.tools import invalidation as graph
 from eagle3pipe.config import dvcfile

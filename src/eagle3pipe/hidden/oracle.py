@@ -14,7 +14,7 @@ import torch
 
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.runtime.device import vllm_on_cpu
-from eagle3pipe.errors import Error
+from eagle3pipe.hidden.capture import CaptureError
 from eagle3pipe.hidden.spec import ExtractError, slot_names
 from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.tensorfile import read_header
@@ -23,10 +23,6 @@ from eagle3pipe.verifier import families
 from eagle3pipe.verifier.handle import Verifier
 
 log = logging.getLogger("eagle3pipe.stages.extract")
-
-
-class CaptureError(Error, RuntimeError):
-    pass
 
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -441,11 +441,12 @@ def test_a_killed_writer_publishes_nothing_and_the_next_writer_removes_its_lefto
     # the held output is the old one, whole; the dead writer's temporary sits beside it
     assert (tmp_path / ("d/f" if target == "d" else target)).read_text() == "old"
     left = leftovers(tmp_path, [target])
-    assert len(left) == 1 and re.fullmatch(rf"\.{re.escape(target)}\.{p.pid}\.\w+\.tmp", left[0])
+    assert len(left) == 1 and re.fullmatch(
+        rf"\.{re.escape(target)}\.{p.pid}-{runtime.HOST}\.\w+\.tmp", left[0])
     # a live writer's temporary is not touched, a dead one's is removed by the next writer
     live = subprocess.Popen(["sleep", "30"])
     try:
-        mine = tmp_path / f".{target}.{live.pid}.abc.tmp"
+        mine = tmp_path / f".{target}.{live.pid}-{runtime.HOST}.abc.tmp"
         mine.mkdir()
         if target == "d":
             with runtime.atomic_dir(tmp_path / "d") as t:

@@ -75,6 +75,53 @@ def test_store_bound_default_size_and_refusal(monkeypatch):
     assert "fix: set it to a size such as 50G, or unset it for the default 50G" in str(e.value)
 
 
+# ---- temporaries named for their writer (pid and host): a store shared by several nodes
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    q = subprocess.Popen(["true"])
+    q.wait()
+    return q.pid
+
+
+def test_temporaries_carry_pid_and_host_and_only_this_hosts_dead_ones_are_swept(tmp_path):
+    from eagle3pipe.runtime import atomic
+
+    out = tmp_path / "out.json"
+    dead, other_host = _dead_pid(), "0" * 8 if atomic.HOST != "0" * 8 else "1" * 8
+    mine_dead = tmp_path / f".out.json.{dead}-{atomic.HOST}.abc.tmp"
+    theirs = tmp_path / f".out.json.{dead}-{other_host}.abc.tmp"  # the same pid, another node
+    for f in (mine_dead, theirs):
+        f.write_text("partial")
+    assert atomic.dead_writers(tmp_path) == [mine_dead]
+    atomic.write_text_atomic(out, "{}")
+    assert out.read_text() == "{}" and not mine_dead.exists() and theirs.exists()
+
+
+def test_store_writers_never_share_a_temporary_and_gc_removes_dead_writers_leftovers(
+        tmp_path, monkeypatch):
+    from eagle3pipe.runtime import atomic
+
+    monkeypatch.setenv(environment.STORE, str(tmp_path / "store"))
+    hs = store.Store("dataset")
+    seen: list[Path] = []
+    hs.put("k", lambda tmp: (seen.append(tmp), tmp.write_text("1")))
+    hs.put("k", lambda tmp: (seen.append(tmp), tmp.write_text("2")))
+    assert seen[0] != seen[1] and all(f".{atomic.writer_tag()}." in p.name for p in seen)
+    assert hs.get_json("k") == 2 and oct(hs.path("k").stat().st_mode & 0o777) == \
+        oct(0o666 & ~atomic._UMASK)
+    left = hs.path("k").with_name(f".k.json.{_dead_pid()}-{atomic.HOST}.xyz.tmp")
+    left.write_text("half")
+    capture_dir = tmp_path / "store" / f".vllm-hidden.{_dead_pid()}-{atomic.HOST}.q.tmp"
+    (capture_dir / "sub").mkdir(parents=True)
+    (capture_dir / "sub" / "a.safetensors").write_bytes(b"x" * 10)
+    r = store.gc(tmp_path, None, base=tmp_path / "store")
+    assert (r["leftovers_removed"], r["leftovers_bytes"]) == (2, 14)
+    assert not left.exists() and not capture_dir.exists() and hs.has("k")
+
+
 # ---- the on-demand producer
 
 

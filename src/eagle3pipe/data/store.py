@@ -41,6 +41,7 @@ from typing import Any, Callable
 from eagle3pipe.config import dvcfile
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import environment
+from eagle3pipe.runtime.atomic import dead_writers, remove, temp_sibling
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.units import human, parse_size
 
@@ -81,7 +82,9 @@ class Store:
         """Writes an entry with `write(tmp_path)`, atomically; returns its path."""
         dst = self.path(k)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        # unique per writer (pid, host) and call: nodes sharing the store, and threads of one
+        # process, never write the same temporary
+        tmp = temp_sibling(dst)
         try:
             write(tmp)
             os.replace(tmp, dst)
@@ -225,10 +228,16 @@ def referenced(repo: Path) -> dict[str, set[str]]:
     return keep
 
 
+def _tree_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() \
+        else p.stat().st_size
+
+
 def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path | None = None
        ) -> dict:
     """Removes store entries no committed dvc.lock, experiment or workspace output refers to,
-    oldest first, until the store holds at most max_bytes (None: every unreferenced entry).
+    oldest first, until the store holds at most max_bytes (None: every unreferenced entry), and
+    the temporaries dead writers on this host left in it (runtime.atomic.dead_writers).
     Referenced entries are never removed; the report says when they alone exceed the bound."""
     keep = referenced(repo)
     entries = [(p.stat().st_mtime, p, kind, p.stat().st_size) for kind in KINDS
@@ -244,7 +253,13 @@ def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path |
             p.unlink()
         removed, freed = removed + 1, freed + size
     kept_bytes = total - freed
+    left = dead_writers(base or root()) if (base or root()).is_dir() else []
+    left_bytes = sum(_tree_bytes(p) for p in left)
+    if not dry_run:
+        for p in left:
+            remove(p)
     return {"store": str((base or root())), "entries": len(entries), "bytes": total,
             "removed": removed, "freed_bytes": freed, "bytes_after": kept_bytes,
+            "leftovers_removed": len(left), "leftovers_bytes": left_bytes,
             "referenced": sum(map(len, keep.values())),
             "over_bound": max_bytes is not None and kept_bytes > max_bytes}

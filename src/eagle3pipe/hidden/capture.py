@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime.atomic import writer_tag
 
 FLUSH_TIMEOUT_S = 120.0
 
@@ -87,4 +88,5 @@ def _flush(llm, paths: list[Path]) -> None:
 
 def storage_dir(parent: Path) -> tempfile.TemporaryDirectory:
     """Where the connector writes (inside the stage's temporary output: same filesystem)."""
-    return tempfile.TemporaryDirectory(dir=parent, prefix=".vllm-hidden-")
+    return tempfile.TemporaryDirectory(dir=parent, prefix=f".vllm-hidden.{writer_tag()}.",
+                                       suffix=".tmp")  # a dead writer's: eagle3pipe gc removes it

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -18,13 +20,18 @@ from eagle3pipe.errors import Error
 #
 # Every output is written under a temporary sibling name and renamed into place whole
 # (write_text_atomic, atomic_dir): a killed, failed or full-disk run leaves no partial file or
-# directory under an output's name. The temporary names carry the writer's pid,
-# `.<name>.<pid>.<random>.tmp` (and `.<name>.<pid>.old`, the replaced output during the swap),
-# so the next writer of the same output removes what a dead writer left beside it (a killed
-# extract's temporary directory is as large as its output). tests/test_faults.py kills every
-# stage at several points and checks this.
+# directory under an output's name. The temporary names carry the writer: its pid and its host
+# (writer_tag(): a store on a filesystem shared by several nodes sees writers with the same pid),
+# `.<name>.<pid>-<host>.<random>.tmp` (and `.<name>.<pid>-<host>.old`, the replaced output during
+# the swap), so the next writer of the same output on the same host removes what a dead writer
+# left beside it (a killed extract's temporary directory is as large as its output), and never
+# what a writer on another host is writing. tests/test_faults.py kills every stage at several
+# points and checks this.
 
 _LAUNCHER: int | None = None  # the stage's parent process, recorded by bind_to_launcher()
+# this host, as the temporary names carry it: 8 hex digits of its name's sha256 (a hostname may
+# hold dots and dashes; the tag holds neither)
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
@@ -71,17 +78,52 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def writer_tag() -> str:
+    """This process as temporary names carry it: `<pid>-<host>`."""
+    return f"{os.getpid()}-{HOST}"
+
+
+def temp_sibling(path: Path) -> Path:
+    """An empty temporary file beside `path`, named for this writer (unique per call), with the
+    mode an ordinary write would give it: for writers that rename it into place themselves."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.",
+                               suffix=".tmp")
+    os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)
+    return Path(tmp)
+
+
+LEFTOVER = re.compile(r"\..+\.(\d+)-([0-9a-f]{8})\.\w+\.tmp")  # a temporary named for its writer
+
+
+def dead_writers(directory: Path) -> list[Path]:
+    """The temporaries under `directory` (any depth) that dead writers on this host left: what
+    no live process will rename into place or remove. Another host's are never listed."""
+    found = []
+    for p in sorted(Path(directory).rglob(".*.tmp")):
+        m = LEFTOVER.fullmatch(p.name)
+        if m and m[2] == HOST and int(m[1]) != os.getpid() and not _alive(int(m[1])) \
+                and not any(q in found for q in p.parents):
+            found.append(p)
+    return found
+
+
+def remove(p: Path) -> None:
+    """A file or a directory tree, gone (already gone is fine)."""
+    _remove(p)
+
+
 def _sweep(path: Path) -> None:
-    """Removes the temporary files and directories that dead writers of `path` left beside it
-    (same machine: a writer is identified by its pid)."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.(?:\w+\.tmp|old)")
+    """Removes the temporary files and directories that dead writers of `path` on this host left
+    beside it (a writer is identified by its pid and host; another host's are never touched)."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-([0-9a-f]{{8}})\.(?:\w+\.tmp|old)")
     try:
         entries = list(path.parent.iterdir())
     except OSError:
         return
     for e in entries:
         m = pattern.fullmatch(e.name)
-        if m is None or int(m[1]) == os.getpid() or _alive(int(m[1])):
+        if m is None or m[2] != HOST or int(m[1]) == os.getpid() or _alive(int(m[1])):
             continue
         if e.is_dir() and not e.is_symlink():
             shutil.rmtree(e, ignore_errors=True)
@@ -112,7 +154,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.",
                                suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
@@ -135,14 +177,14 @@ def atomic_dir(path: str | Path, *, output: bool = True) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep(path)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.",
                                 suffix=".tmp"))
     tmp.chmod(0o755)
     try:
         yield tmp
         _before_publish(path, output)
         if path.exists() or path.is_symlink():
-            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            old = path.with_name(f".{path.name}.{writer_tag()}.old")
             _remove(old)
             os.replace(path, old)
             os.replace(tmp, path)

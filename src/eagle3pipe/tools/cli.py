@@ -136,6 +136,9 @@ def cmd_gc(args) -> int:
           f"{r['removed']} unreferenced ({r['freed_bytes']:,} bytes); {r['bytes_after']:,} "
           f"bytes left; {r['referenced']} keys referenced by dvc.lock, experiments or the "
           "workspace")
+    if r["leftovers_removed"]:
+        print(f"store {r['store']}: {verb} {r['leftovers_removed']} temporaries dead writers on "
+              f"this host left ({r['leftovers_bytes']:,} bytes)")
     _gc_checkpoints(Path(args.repo), verb, dry_run=args.dry_run)
     if r["over_bound"]:
         raise Error(f"the referenced entries alone exceed --max-bytes {args.max_bytes:,}",

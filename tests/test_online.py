@@ -3,8 +3,9 @@
 cache included, its per-sample store not): the trained draft is byte-identical in every mode,
 with the engine inside the train stage and with the verifier as a separate server process on
 localhost (`eagle3pipe serve --hidden-states`); online keeps no hidden state, hybrid keeps them
-and a rerun computes none; a server that does not answer, or one that writes where the trainer
-cannot read, is one clear error. Disk used and engine wait per mode are printed (pytest -s)."""
+and a rerun computes none; a server that does not answer, one that writes where the trainer
+cannot read, or one restarted with another capture mid-run, is one clear error. Disk used and
+engine wait per mode are printed (pytest -s)."""
 from __future__ import annotations
 
 import json
@@ -92,16 +93,8 @@ def _from_server(repo: Path) -> dict:
     port = _free_port()
     _set(repo, **{"extract.endpoint": f"127.0.0.1:{port}"})
     out = {"ran": repro(repo, "train")}  # the endpoint says where, not what: train is current
-    server = subprocess.Popen(
-        [sys.executable, "-m", "eagle3pipe.tools.cli", "serve", "--hidden-states", "--port",
-         str(port), "--quiet", "--timeout", "300"], cwd=repo, env=env(repo),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    server = _start_server(repo, port)
     try:
-        for line in server.stdout:
-            if "ready at" in line:
-                break
-        else:
-            raise AssertionError(f"the hidden-state server exited ({server.wait()})")
         r = _train_again(repo)
         assert r.returncode == 0, r.stderr[-3000:]
         out |= {"weights": (repo / WEIGHTS).read_bytes(), "record": _record(repo),
@@ -112,8 +105,40 @@ def _from_server(repo: Path) -> dict:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=120)
+    out["restarted"] = _restarted_server(repo, port)
     out["no server"] = _train_again(repo)
     return out
+
+
+def _start_server(repo: Path, port: int) -> subprocess.Popen:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "eagle3pipe.tools.cli", "serve", "--hidden-states", "--port",
+         str(port), "--quiet", "--timeout", "300"], cwd=repo, env=env(repo),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in server.stdout:
+        if "ready at" in line:
+            return server
+    raise AssertionError(f"the hidden-state server exited ({server.wait()})")
+
+
+def _restarted_server(repo: Path, port: int) -> subprocess.CompletedProcess:
+    """The server restarted mid-run with other aux ids ([0, 2, 3] for [1, 2, 3]): the trainer
+    read server.json when the run started, so server.json is put back as it was then, and only
+    the entries themselves say what computed them."""
+    cap, said = repo / "configs/capture.json", repo / STORE / "incoming/server.json"
+    original, at_start = cap.read_text(), said.read_text()
+    cap.write_text(json.dumps({**json.loads(original), "aux_layer_ids": [0, 2, 3]}))
+    try:
+        server = _start_server(repo, port)
+        try:
+            assert json.loads(said.read_text())["layer_ids"] == [0, 2, 3, 4]
+            said.write_text(at_start)
+            return _train_again(repo)
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=120)
+    finally:
+        cap.write_text(original)
 
 
 def test_the_trained_draft_is_byte_identical_in_every_mode(modes):
@@ -167,3 +192,14 @@ def test_a_server_the_trainer_cannot_reach_or_read_is_a_clear_error(modes):
     # or whole (`dvc checkout` restores the old one from the cache)
     assert not (repo / "artifacts/train").exists()
     assert not list((repo / "artifacts").glob(".train*")), list((repo / "artifacts").iterdir())
+
+
+def test_a_server_restarted_with_other_aux_ids_is_refused_at_its_first_entry(modes):
+    """Every entry a server writes carries its capture identity; the trainer checks each one."""
+    repo, out = modes
+    r = out["server"]["restarted"]
+    err = r.stdout + r.stderr
+    assert r.returncode != 0, err[-3000:]
+    assert "layer_ids: got [0, 2, 3, 4], the manifest needs [1, 2, 3, 4]" in err, err[-3000:]
+    assert "fix: restart the server from this params.yaml" in err, err[-3000:]
+    assert "Traceback" not in err.split("train: error:")[0][-2000:], err[-3000:]

@@ -122,6 +122,46 @@ def test_store_writers_never_share_a_temporary_and_gc_removes_dead_writers_lefto
     assert not left.exists() and not capture_dir.exists() and hs.has("k")
 
 
+# ---- a hidden-state server's entries carry the capture identity, checked one by one
+
+
+def test_a_servers_entry_is_refused_when_its_identity_is_not_the_manifests(tmp_path):
+    from safetensors.torch import save_file
+
+    from eagle3pipe.engines.connector import IDENTITY
+    from eagle3pipe.hidden import on_demand
+
+    want = on_demand.describe("fp", {"dtype": "float32"}, [1, 2, 3, 4], "0.32.0")
+    restarted = on_demand.describe("fp", {"dtype": "float32"}, [1, 2, 4, 4], "0.32.0")
+    tensors = {"hidden_states": torch.zeros(2, 4, 8), "token_ids": torch.tensor([1, 2])}
+    for name, meta in [("same", want), ("other", restarted), ("none", None)]:
+        save_file(tensors, tmp_path / f"{name}.safetensors",
+                  metadata={IDENTITY: json.dumps(meta)} if meta else None)
+    assert on_demand.identity_mismatch(on_demand.entry_identity(tmp_path / "same.safetensors"),
+                                       want) == []
+    assert on_demand.identity_mismatch(on_demand.entry_identity(tmp_path / "other.safetensors"),
+                                       want) == ["layer_ids: got [1, 2, 4, 4], the manifest "
+                                                 "needs [1, 2, 3, 4]"]
+    [none] = on_demand.identity_mismatch(on_demand.entry_identity(tmp_path / "none.safetensors"),
+                                         want)
+    assert none.startswith("identity: the entry carries none")
+    # a manifest that did not record vLLM's version does not ask for it
+    old = on_demand.describe("fp", {"dtype": "float32"}, [1, 2, 3, 4], None)
+    assert "vllm_version" not in old and on_demand.identity_mismatch(restarted | {
+        "layer_ids": [1, 2, 3, 4]}, old) == []
+
+
+def test_the_capture_engine_config_carries_the_identity_to_the_connector(tmp_path):
+    from eagle3pipe.engines.connector import IDENTITY
+    from eagle3pipe.hidden import capture
+
+    plain = capture.engine_config([1, 2, 3, 4], tmp_path)["kv_transfer_config"]
+    assert IDENTITY not in plain["kv_connector_extra_config"]
+    ident = {"verifier": "fp", "layer_ids": [1, 2, 3, 4]}
+    cfg = capture.engine_config([1, 2, 3, 4], tmp_path, ident)["kv_transfer_config"]
+    assert json.loads(cfg["kv_connector_extra_config"][IDENTITY]) == ident
+
+
 # ---- the on-demand producer
 
 

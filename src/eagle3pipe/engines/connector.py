@@ -10,7 +10,8 @@ block table, as `_submit_async_write` does) synchronously, and publishes each fi
 rank 0 writes, as in the stock connector (`get_finished_count` is 1).
 
 Files hold `hidden_states [T, n_ids, H]` (the model's dtype) and `token_ids [T]` for the prompt
-tokens. A request's file is written during the engine step AFTER the one it finished in (the
+tokens, and, when the engine was started with one (kv_connector_extra_config IDENTITY), the
+capture's identity as the file's metadata (eagle3pipe.hidden.on_demand checks it per entry). A request's file is written during the engine step AFTER the one it finished in (the
 scheduler hands its block ids to the worker in the next step's connector metadata), so the
 caller steps the engine once more after its last batch (eagle3pipe.engines.engine.capture does).
 
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
+IDENTITY = "eagle3pipe_identity"  # extra-config key and metadata key: what captured the file
 _WRITTEN = object()  # marks a request whose file is on disk (the stock class keeps a CUDA event)
 
 
@@ -42,8 +44,10 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
         hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         tmp = f"{pending.filename}.tmp"
+        identity = self._kv_transfer_config.get_from_extra_config(IDENTITY, None)
         save_file({"hidden_states": hidden.to("cpu").contiguous().clone(),
-                   "token_ids": pending.token_ids.clone()}, tmp)
+                   "token_ids": pending.token_ids.clone()}, tmp,
+                  metadata={IDENTITY: identity} if identity else None)
         os.replace(tmp, pending.filename)
         self._req_copy_events[pending.req_id] = _WRITTEN
         lock_fd = self._lock_fds.pop(pending.req_id, None)

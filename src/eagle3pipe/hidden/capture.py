@@ -15,6 +15,7 @@ one it finished in, so each batch is followed by engine steps until its files ex
 """
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +34,16 @@ class CaptureError(Error, RuntimeError):
     pass
 
 
-def engine_config(layer_ids: list[int], storage: Path) -> dict:
-    """The speculative_config and kv_transfer_config of a capturing engine. The connector is
-    named by module path (vLLM's workers import it); importing it here also makes it a code
-    dep of the extract stage (eagle3pipe.tools.deps)."""
-    from eagle3pipe.engines.connector import SyncHiddenStatesConnector as connector
+def engine_config(layer_ids: list[int], storage: Path, identity: dict | None = None) -> dict:
+    """The speculative_config and kv_transfer_config of a capturing engine; with `identity`,
+    every file it writes carries it as metadata (a hidden-state server's, checked per entry by
+    eagle3pipe.hidden.on_demand). The connector is named by module path (vLLM's workers import
+    it); importing it here also makes it a code dep of the extract stage (eagle3pipe.tools.deps)."""
+    from eagle3pipe.engines.connector import IDENTITY, SyncHiddenStatesConnector as connector
 
+    extra = {"shared_storage_path": str(storage), "use_synchronization_lock": False}
+    if identity is not None:
+        extra[IDENTITY] = json.dumps(identity, sort_keys=True)
     return {
         "speculative_config": {
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -47,8 +52,7 @@ def engine_config(layer_ids: list[int], storage: Path) -> dict:
         "kv_transfer_config": {
             "kv_connector": connector.__name__, "kv_connector_module_path": connector.__module__,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(storage),
-                                          "use_synchronization_lock": False}},
+            "kv_connector_extra_config": extra},
     }
 
 

@@ -6,9 +6,12 @@ stage or as vLLM's OpenAI server elsewhere (extract.endpoint), started by `eagle
 The server's connector writes each request's states into $EAGLE3PIPE_STORE/incoming
 (storage()), a directory on the filesystem the store is on, which must be shared by the server
 and every training node; the server writes server.json there before it starts (describe():
-the verifier's fingerprint, the numeric engine settings and the layer ids it captures), and the
-trainer refuses a server whose capture differs from the manifest's, or whose server.json it
-cannot see (the store is not shared). A request is one prompt (max_tokens 1, greedy), sent
+the verifier's fingerprint, the numeric engine settings, the layer ids it captures and its vLLM
+version), and the trainer refuses a server whose capture differs from the manifest's, or whose
+server.json it cannot see (the store is not shared). Every file the server writes carries the
+same identity as its metadata (eagle3pipe.engines.connector), and the trainer checks each one:
+a server restarted mid-run with other aux ids, another verifier or another vLLM is refused at
+its first entry, naming the field and both values. A request is one prompt (max_tokens 1, greedy), sent
 concurrently with the rest of its engine call so that the server batches them, as speculators'
 own client does (speculators/data_generation/vllm_client.py); the response's
 kv_transfer_params name the file.
@@ -44,9 +47,38 @@ def storage() -> Path:
     return store.root() / INCOMING
 
 
-def describe(fingerprint: str, numeric: dict, layer_ids: list[int]) -> dict:
-    """What a hidden-state server captures (server.json), compared with the manifest's."""
-    return {"verifier": fingerprint, "engine_settings": numeric, "layer_ids": list(layer_ids)}
+def vllm_version() -> str:
+    from vllm import __version__
+
+    return __version__
+
+
+def describe(fingerprint: str, numeric: dict, layer_ids: list[int], version: str | None) -> dict:
+    """What a hidden-state server captures (server.json, and every entry's metadata), compared
+    with the manifest's; `version`: vLLM's (None: a manifest that did not record it)."""
+    return {"verifier": fingerprint, "engine_settings": numeric, "layer_ids": list(layer_ids),
+            **({"vllm_version": version} if version else {})}
+
+
+def identity_mismatch(got: dict | None, want: dict) -> list[str]:
+    """Each field of the capture identity in which `got` (an entry's metadata) differs from
+    `want` (the manifest's), as 'field: got X, the manifest needs Y'."""
+    if got is None:
+        return ["identity: the entry carries none (a server of another eagle3pipe version, or "
+                "files written by hand)"]
+    return [f"{k}: got {got.get(k)!r}, the manifest needs {v!r}" for k, v in want.items()
+            if got.get(k) != v]
+
+
+def entry_identity(path: Path) -> dict | None:
+    """The capture identity a server's file carries (its safetensors metadata), or None."""
+    from safetensors import safe_open
+
+    from eagle3pipe.engines.connector import IDENTITY
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta[IDENTITY]) if IDENTITY in meta else None
 
 
 @contextlib.contextmanager
@@ -58,7 +90,8 @@ def source(m, v, run: RunSettings, *, threads: int, needed: bool = True) -> Iter
         yield None
         return
     if run.endpoint:
-        yield Server(run.endpoint, describe(v.fingerprint, m.engine, m.layer_ids))
+        yield Server(run.endpoint, describe(v.fingerprint, m.engine, m.layer_ids,
+                                            m.vllm_version))
         return
     from eagle3pipe.engines import engine
     from eagle3pipe.hidden import capture
@@ -93,7 +126,8 @@ class Server:
                 "this node cannot read them", fix="put $EAGLE3PIPE_STORE on a filesystem "
                 "shared by the server and every training node, the same path on each")
         got = json.loads(f.read_text())
-        if got != want:
+        self.want = want
+        if identity_mismatch(got, want):
             raise EndpointError(f"the server at {endpoint} captures {got}; this run's "
                                 f"manifest needs {want}", fix="restart the server from this "
                                 "params.yaml (`eagle3pipe serve --hidden-states`)")
@@ -129,6 +163,15 @@ class Server:
                                         "$EAGLE3PIPE_STORE on a filesystem shared by the server "
                                         "and every training node, the same path on each")
                 time.sleep(0.02)
+            wrong = identity_mismatch(entry_identity(path), self.want)
+            if wrong:
+                path.unlink()
+                raise EndpointError(
+                    f"{path}: the server at {self.endpoint} computed this entry with another "
+                    "capture than this run's manifest (" + "; ".join(wrong) + "): it was "
+                    "restarted with other settings since this run started", fix="restart "
+                    "the server from this params.yaml (`eagle3pipe serve --hidden-states`) "
+                    "and rerun `dvc repro train` (it resumes from its last checkpoint)")
             data = load_file(str(path))
             path.unlink()
             if data["token_ids"].tolist() != list(ids):

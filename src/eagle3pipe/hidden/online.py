@@ -63,6 +63,7 @@ class Manifest:
     dtype: str
     hidden_size: int
     engine: dict[str, Any]  # the numeric engine settings the keys hash (engine.numeric)
+    vllm_version: str | None = None  # the extract stage's vLLM (what a server must run)
 
     @property
     def num_slots(self) -> int:
@@ -80,7 +81,7 @@ def read_manifest(hidden_dir: str | Path) -> Manifest | None:
         return None
     try:
         return Manifest(path, doc["mode"], doc["sample_keys"], doc["layer_ids"], doc["dtype"],
-                        doc["hidden_size"], doc["engine_settings"])
+                        doc["hidden_size"], doc["engine_settings"], doc.get("vllm_version"))
     except KeyError as e:
         raise OnlineError(f"{path}: no key {e}", fix="rerun `dvc repro extract`") from None
 

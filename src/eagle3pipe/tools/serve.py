@@ -147,9 +147,10 @@ def capture_args(r: dict, configs_dir: str | Path, verifier_dir: str | Path) -> 
     layer_ids = spec.layer_ids
     where = on_demand.storage()
     where.mkdir(parents=True, exist_ok=True)
-    write_json(where / on_demand.SERVER_JSON, on_demand.describe(
-        v.fingerprint, engine.numeric(r["settings"]), layer_ids))
-    cfg = capture.engine_config(layer_ids, where)
+    identity = on_demand.describe(v.fingerprint, engine.numeric(r["settings"]), layer_ids,
+                                  on_demand.vllm_version())
+    write_json(where / on_demand.SERVER_JSON, identity)
+    cfg = capture.engine_config(layer_ids, where, identity)
     return ["--speculative-config", json.dumps(cfg["speculative_config"]),
             "--kv-transfer-config", json.dumps(cfg["kv_transfer_config"])]
 

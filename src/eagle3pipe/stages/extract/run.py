@@ -194,8 +194,11 @@ def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
            "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
            "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
     if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
+        from eagle3pipe.hidden.on_demand import vllm_version
+
         doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
-                "layer_ids": layer_ids, "engine_settings": numeric(settings)}
+                "layer_ids": layer_ids, "engine_settings": numeric(settings),
+                "vllm_version": vllm_version()}
     return doc
 
 

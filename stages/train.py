@@ -5,7 +5,7 @@ worker trains. See src/eagle3pipe/stages/train/run.py."""
 from eagle3pipe.runtime import launch
 from eagle3pipe.stages import runner
 
-PATHS = ("draft_config", "verifier", "hidden", "vocab", "out")
+PATHS = ("draft_config", "verifier", "hidden", "vocab", "out", "metrics_dir")
 
 if __name__ == "__main__":
     if launch.under_torchrun():  # a worker: trains

@@ -258,7 +258,7 @@ def test_stage_script_runs_from_params(inputs, tmp_path):
         [sys.executable, str(ROOT / "stages" / "train.py"), "--params", "params.yaml",
          "--draft-config", str(inputs.draft_config), "--verifier", str(inputs.verifier),
          "--hidden", str(inputs.hidden), "--vocab", str(inputs.vocab), "--out",
-         "artifacts/train", "--dvc-yaml", str(ROOT / "dvc.yaml")],
+         "artifacts/train", "--metrics-dir", "metrics/train", "--dvc-yaml", str(ROOT / "dvc.yaml")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "artifacts" / "train" / "model.safetensors").is_file()
@@ -295,8 +295,8 @@ def test_torchrun_ddp_path(inputs, tmp_path):
     (tmp_path / "params.yaml").write_text(params)
     args = ["--params", "params.yaml", "--draft-config", str(inputs.draft_config),
             "--verifier", str(inputs.verifier), "--hidden", str(inputs.hidden), "--vocab",
-            str(inputs.vocab), "--out", "artifacts/train", "--dvc-yaml", str(ROOT / "dvc.yaml"),
-            "--no-progress"]
+            str(inputs.vocab), "--out", "artifacts/train", "--metrics-dir", "metrics/train",
+            "--dvc-yaml", str(ROOT / "dvc.yaml"), "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(n: int):

@@ -53,6 +53,13 @@ def probe_settings(dtype: str, trust_remote_code: bool) -> dict[str, Any]:
     return settings_of(SimpleNamespace(**one, dtype=dtype, trust_remote_code=trust_remote_code))
 
 
+def vllm_version() -> str:
+    """The installed vLLM's version (what a capture's identity records)."""
+    from vllm import __version__
+
+    return __version__
+
+
 def numeric(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings a stage records beside its numbers."""
     return {k: settings[k] for k in NUMERIC}

@@ -47,12 +47,6 @@ def storage() -> Path:
     return store.root() / INCOMING
 
 
-def vllm_version() -> str:
-    from vllm import __version__
-
-    return __version__
-
-
 def describe(fingerprint: str, numeric: dict, layer_ids: list[int], version: str | None) -> dict:
     """What a hidden-state server captures (server.json, and every entry's metadata), compared
     with the manifest's; `version`: vLLM's (None: a manifest that did not record it)."""

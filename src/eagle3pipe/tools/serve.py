@@ -148,7 +148,7 @@ def capture_args(r: dict, configs_dir: str | Path, verifier_dir: str | Path) -> 
     where = on_demand.storage()
     where.mkdir(parents=True, exist_ok=True)
     identity = on_demand.describe(v.fingerprint, engine.numeric(r["settings"]), layer_ids,
-                                  on_demand.vllm_version())
+                                  engine.vllm_version())
     write_json(where / on_demand.SERVER_JSON, identity)
     cfg = capture.engine_config(layer_ids, where, identity)
     return ["--speculative-config", json.dumps(cfg["speculative_config"]),

@@ -41,7 +41,7 @@ from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.data.samples import read as read_split
-from eagle3pipe.engines.engine import numeric
+from eagle3pipe.engines.engine import numeric, vllm_version
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
@@ -194,8 +194,6 @@ def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
            "verifier_num_layers": spec.verifier_num_layers, "dtype": e.dtype,
            "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
     if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
-        from eagle3pipe.hidden.on_demand import vllm_version
-
         doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
                 "layer_ids": layer_ids, "engine_settings": numeric(settings),
                 "vllm_version": vllm_version()}

@@ -355,11 +355,11 @@ def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
 
 def run(params: StageView, paths: Paths) -> None:
     """The stage (eagle3pipe.stages.runner.main): paths.draft_config, .verifier, .hidden, .vocab ->
-    paths.out; dvclive writes metrics/train/."""
+    paths.out; dvclive writes paths.metrics_dir (metrics/train/)."""
     p = params.train
     key = key_of(p, paths.dvc_yaml)
     final = train(p, paths.draft_config, paths.verifier, paths.hidden, paths.vocab,
-                  paths.out, metrics_dir="metrics/train", progress=paths.progress,
+                  paths.out, metrics_dir=paths.metrics_dir, progress=paths.progress,
                   run=params.run_settings(),
                   record_to=store.counts_path("train", paths.dvc_yaml),
                   checkpoints=Checkpoints(key, Path(paths.dvc_yaml).parent / CHECKPOINTS))

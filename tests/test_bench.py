@@ -114,3 +114,21 @@ def test_speedup_point_times_real_forwards(tmp_path):
     assert json.loads((tmp_path / "speedup.json").read_text())["rows"][0]["layers"] == 1
     if (tmp_path / "speedup.png").exists():
         assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration
+def test_the_gpu_check_runs_here_up_to_the_device(micro_verifier, tmp_path):
+    """bench/gpu_check.py on CPU at the micro size: the train stage's loop trains (the loss
+    falls, the acceptance rises); speculators' Trainer needs an accelerator, which is the one
+    thing the GPU machine adds, and says so."""
+    import gpu_check
+    from helpers.training import make_inputs
+
+    inp = make_inputs(micro_verifier, tmp_path / "inputs", n_train=8, n_eval=4)
+    p = gpu_check._params("cpu")
+    got = gpu_check.ours(p, inp, steps=3)
+    assert len(got["losses"]) == 4 and got["losses"][-1] < got["losses"][0], got
+    assert got["eval_after"]["loss"] < got["eval_before"]["loss"], got
+    assert got["tokens"] > 0 and got["tokens_per_s"] > 0
+    with pytest.raises(RuntimeError, match="accelerator"):
+        gpu_check.speculators_trainer(p, inp, 3, tmp_path)

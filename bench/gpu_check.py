@@ -45,10 +45,18 @@ def inputs_of(run: Path) -> types.SimpleNamespace:
                                  hidden=run / "artifacts/hidden", vocab=run / "artifacts/vocab")
 
 
-def _state(p, inp):
+def _state(p, inp, loss_impl: str | None = None):
+    """The TrainState setup() makes; `loss_impl` replaces the backend's loss implementation
+    (speculators' fused Triton loss, or its eager one) for this check."""
     from eagle3pipe.stages.train import run as T
 
-    return T.setup(p, inp.draft_config, inp.verifier, inp.hidden, inp.vocab)
+    chosen = T.backend_for
+    if loss_impl is not None:
+        T.backend_for = lambda *a: dataclasses.replace(chosen(*a), loss_impl=loss_impl)
+    try:
+        return T.setup(p, inp.draft_config, inp.verifier, inp.hidden, inp.vocab)
+    finally:
+        T.backend_for = chosen
 
 
 def _tokens(s, packs) -> int:
@@ -60,11 +68,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def ours(p, inp, steps: int) -> dict:
+def ours(p, inp, steps: int, loss_impl: str | None = None) -> dict:
     """The train stage's loop: step() per pack, evaluate() before and after."""
     from eagle3pipe.stages.train import run as T
 
-    s = _state(p, inp)
+    s = _state(p, inp, loss_impl)
     packs = [idx for epoch in s.per_epoch for idx in epoch][:steps + 1]
     before = T.evaluate(s)
     s.model.train()
@@ -78,10 +86,12 @@ def ours(p, inp, steps: int) -> dict:
     tokens = _tokens(s, packs[1:])
     return {"losses": [round(x, 5) for x in losses], "eval_before": before,
             "eval_after": T.evaluate(s), "tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1)}
+            "tokens_per_s": round(tokens / seconds, 1), "loss_impl": s.backend.loss_impl,
+            "attention": s.backend.attn_impl}
 
 
-def speculators_trainer(p, inp, steps: int, out: Path) -> dict:
+def speculators_trainer(p, inp, steps: int, out: Path, loss_impl: str | None = None
+                        ) -> dict:
     """speculators' Trainer.train_epoch over the same packs, from the same initial weights; its
     per-step loss read back from its metric logger calls."""
     from speculators.train import trainer as S
@@ -89,7 +99,7 @@ def speculators_trainer(p, inp, steps: int, out: Path) -> dict:
 
     from eagle3pipe.stages.train import run as T
 
-    s = _state(p, inp)  # the same seed: the same initial weights and packs as ours()
+    s = _state(p, inp, loss_impl)  # the same seed: the same initial weights and packs as ours()
     packs = [idx for epoch in s.per_epoch for idx in epoch][:steps + 1]
     before = T.evaluate(s)
     loader = DataLoader(s.train.ds, batch_sampler=packs, collate_fn=s.train.collate)
@@ -117,7 +127,8 @@ def speculators_trainer(p, inp, steps: int, out: Path) -> dict:
     seconds = time.perf_counter() - t0
     tokens = _tokens(s, packs)
     return {"losses": losses, "eval_before": before, "eval_after": T.evaluate(s),
-            "tokens": tokens, "tokens_per_s_with_first_step": round(tokens / seconds, 1)}
+            "tokens": tokens, "tokens_per_s_with_first_step": round(tokens / seconds, 1),
+            "loss_impl": s.backend.loss_impl}
 
 
 def main(argv=None) -> int:
@@ -129,13 +140,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     p = _params(a.device)
     res = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
-           "torch": torch.__version__, "steps": a.steps,
-           "ours": ours(p, inputs_of(a.run), a.steps)}
-    try:
-        res["speculators_trainer"] = speculators_trainer(p, inputs_of(a.run), a.steps,
-                                                         a.out.parent)
-    except Exception as e:  # noqa: BLE001 - recorded: the check's other half still counts
-        res["speculators_trainer"] = {"error": f"{type(e).__name__}: {e}"}
+           "torch": torch.__version__, "steps": a.steps}
+    # the backend's own choice first (on CUDA the fused Triton loss where Triton imports), then
+    # speculators' eager loss; each trainer on each, an error recorded as what it measured
+    for impl in (None, "eager"):
+        name = impl or "default"
+        for who, fn in (("ours", ours), ("speculators_trainer", speculators_trainer)):
+            args = (p, inputs_of(a.run), a.steps) + ((a.out.parent,) if fn is not ours else ())
+            try:
+                res[f"{who}:{name}"] = fn(*args, loss_impl=impl)
+            except Exception as e:  # noqa: BLE001 - recorded: the rest of the check still counts
+                res[f"{who}:{name}"] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
     a.out.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return 0

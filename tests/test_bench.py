@@ -127,6 +127,7 @@ def test_the_gpu_check_runs_here_up_to_the_device(micro_verifier, tmp_path):
     inp = make_inputs(micro_verifier, tmp_path / "inputs", n_train=8, n_eval=4)
     p = gpu_check._params("cpu")
     got = gpu_check.ours(p, inp, steps=3)
+    assert got["loss_impl"] == "eager" and got["attention"] == "sdpa"
     assert len(got["losses"]) == 4 and got["losses"][-1] < got["losses"][0], got
     assert got["eval_after"]["loss"] < got["eval_before"]["loss"], got
     assert got["tokens"] > 0 and got["tokens_per_s"] > 0

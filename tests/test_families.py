@@ -98,7 +98,7 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     import torch
     from speculators.train.data import ArrowDataset
 
-    from eagle3pipe.hidden import oracle
+    from eagle3pipe.hidden import oracle as tf_oracle
     from eagle3pipe.verifier.handle import Verifier
 
     repo, _, log = runs[family]
@@ -108,8 +108,8 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     item = ArrowDataset(max_len=512, datapath=repo / "artifacts/hidden/train",
                         on_missing="raise")[0]
     v = Verifier(repo / "artifacts/verifier")
-    ref = oracle.tf_capture(oracle.tf_load(v), item["input_ids"][:1][None], None,
-                             [1, 2, 3])[0, 0].float()  # [4 slots, H] at position 0
+    ref = tf_oracle.tf_capture(tf_oracle.tf_load(v), item["input_ids"][:1][None], None,
+                                [1, 2, 3])[0, 0].float()  # [4 slots, H] at position 0
     got = torch.cat([item["hidden_states"][0].float().view(3, -1),
                      item["verifier_last_hidden_states"][0].float()[None]])
     err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1))

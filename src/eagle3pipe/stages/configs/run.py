@@ -31,7 +31,10 @@ def render_files(draft, verifier_path: str | None, verifier_config_file: str | P
     cfg, _, _ = read_config(verifier_config_file)
     files = formats.render(arch, verifier_config=cfg, verifier_path=verifier_path,
                            num_speculative_tokens=draft.num_speculative_tokens)
-    return {**files, CAPTURE: dumps(spec.render(arch))}
+    # written in this order, the verifier's config last (tests/test_faults.py holds it)
+    last = "verifier_config.json"
+    return {**{k: v for k, v in files.items() if k != last},
+            CAPTURE: dumps(spec.render(arch)), last: files[last]}
 
 
 def render_into(out_dir: str | Path, draft, verifier_path: str | None,

@@ -1,1 +1,1 @@
-"""stages/export."""
+"""The export stage: the trained draft in both layouts vLLM loads, contract-checked."""

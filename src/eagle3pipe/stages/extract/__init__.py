@@ -1,1 +1,1 @@
-"""stages/extract."""
+"""The extract stage: the verifier's hidden states through vLLM, checked, in speculators' layout."""

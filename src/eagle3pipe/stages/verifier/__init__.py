@@ -1,1 +1,1 @@
-"""stages/verifier."""
+"""The verifier stage: the embedded verifier built, or an existing checkpoint fingerprinted."""

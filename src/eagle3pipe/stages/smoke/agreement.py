@@ -92,7 +92,7 @@ def compare(serving: dict, training: list[float], k: int, *, tolerance: float,
             prompts: int, replies_equal: int, source: str = EVAL_SPLIT
             ) -> tuple[dict, str | None]:
     """(the record for metrics/smoke.json, the failure or None). `serving` is vLLM's acceptance
-    on the eval prompts (engines.acceptance.acceptance); `replies_equal` how many served
+    on the eval prompts (stages.smoke.acceptance.acceptance); `replies_equal` how many served
     replies equal the dataset's token for token (greedy decoding in another batch may flip a
     near-tie and go its own way: a diagnostic, not a verdict)."""
     m = min(k, len(training))

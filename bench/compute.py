@@ -164,7 +164,7 @@ def train_states(verifier_dir: Path, datapath: Path, samples, draft_params, name
                                  if m)
     d2t, t2d = V.build_mapping(dict(counts), arch.draft_vocab_size, arch.vocab_size)
     chunk = params.load(ROOT / "params.yaml").train.cpu_chunk_tokens
-    backend = distributed.backend_for("cpu", chunk)
+    backend = distributed.backend_for("cpu", chunk, "eager")
     data = T.open_split(datapath, batch_tokens, arch, backend)
     p = types.SimpleNamespace(seed=0, nproc_per_node=1, epochs=1, batch_tokens=batch_tokens,
                               learning_rate=lr, weight_decay=0.0, warmup_steps=2,

@@ -45,18 +45,13 @@ def inputs_of(run: Path) -> types.SimpleNamespace:
                                  hidden=run / "artifacts/hidden", vocab=run / "artifacts/vocab")
 
 
-def _state(p, inp, loss_impl: str | None = None):
-    """The TrainState setup() makes; `loss_impl` replaces the backend's loss implementation
-    (speculators' fused Triton loss, or its eager one) for this check."""
+def _state(p, inp, loss_impl: str):
+    """The TrainState setup() makes with train.loss_impl set to `loss_impl` (auto: on CUDA
+    speculators' fused Triton loss; eager: its plain-torch one)."""
     from eagle3pipe.stages.train import run as T
 
-    chosen = T.backend_for
-    if loss_impl is not None:
-        T.backend_for = lambda *a: dataclasses.replace(chosen(*a), loss_impl=loss_impl)
-    try:
-        return T.setup(p, inp.draft_config, inp.verifier, inp.hidden, inp.vocab)
-    finally:
-        T.backend_for = chosen
+    p = dataclasses.replace(p, loss_impl=loss_impl)
+    return T.setup(p, inp.draft_config, inp.verifier, inp.hidden, inp.vocab)
 
 
 def _tokens(s, packs) -> int:
@@ -68,7 +63,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def ours(p, inp, steps: int, loss_impl: str | None = None) -> dict:
+def ours(p, inp, steps: int, loss_impl: str = "auto") -> dict:
     """The train stage's loop: step() per pack, evaluate() before and after."""
     from eagle3pipe.stages.train import run as T
 
@@ -90,8 +85,7 @@ def ours(p, inp, steps: int, loss_impl: str | None = None) -> dict:
             "attention": s.backend.attn_impl}
 
 
-def speculators_trainer(p, inp, steps: int, out: Path, loss_impl: str | None = None
-                        ) -> dict:
+def speculators_trainer(p, inp, steps: int, out: Path, loss_impl: str = "auto") -> dict:
     """speculators' Trainer.train_epoch over the same packs, from the same initial weights; its
     per-step loss read back from its metric logger calls."""
     from speculators.train import trainer as S
@@ -141,10 +135,10 @@ def main(argv=None) -> int:
     p = _params(a.device)
     res = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
            "torch": torch.__version__, "steps": a.steps}
-    # the backend's own choice first (on CUDA the fused Triton loss where Triton imports), then
-    # speculators' eager loss; each trainer on each, an error recorded as what it measured
-    for impl in (None, "eager"):
-        name = impl or "default"
+    # train.loss_impl auto first (on CUDA the fused Triton loss), then speculators' eager loss;
+    # each trainer on each, an error recorded as what it measured
+    for impl in ("auto", "eager"):
+        name = "default" if impl == "auto" else impl
         for who, fn in (("ours", ours), ("speculators_trainer", speculators_trainer)):
             args = (p, inputs_of(a.run), a.steps) + ((a.out.parent,) if fn is not ours else ())
             try:

@@ -86,6 +86,8 @@ CASES = [
     _case("  ngram_prompt_lookup_min: 1", "  ngram_prompt_lookup_min: 9",
           "smoke.ngram_prompt_lookup_min", "larger"),
     _case("  batch1_prompts:", "  batch1_prompts: 99", "smoke.batch1_prompts", "more than"),
+    _case("  loss_impl: auto", "  loss_impl: fused", "train.loss_impl", "cuda only"),
+    _case("  loss_impl: auto", "  loss_impl: triton", "train.loss_impl", "not one of"),
     _case("  nnodes: 1", "  nnodes: 2", "train.nnodes", "train.rdzv_endpoint is null"),
     _case("  nnodes: 1", "  nnodes: 0", "train.nnodes", ">="),
     _case("  mode: offline", "  mode: streaming", "extract.mode", "not one of"),

@@ -15,7 +15,7 @@ import torch
 from eagle3pipe.data import store
 from eagle3pipe.errors import Error
 from eagle3pipe.hidden import keys, online, spec
-from eagle3pipe.runtime import environment
+from eagle3pipe.runtime import distributed, environment
 from eagle3pipe.stages.train import batches
 from eagle3pipe.stages.train.run import lr_lambda
 
@@ -41,6 +41,27 @@ def test_lr_without_warmup_starts_at_the_peak():
 
 
 LENGTHS = [30, 200, 70, 10, 500, 64, 64, 1, 300, 40]
+
+
+@pytest.mark.parametrize("device,impl,want", [("cpu", "auto", "eager"), ("cpu", "eager", "eager"),
+                                             ("cuda", "auto", "fused"), ("cuda", "eager", "eager"),
+                                             ("cuda", "fused", "fused")])
+def test_train_loss_impl_chooses_speculators_loss(device, impl, want):
+    b = distributed.backend_for(device, 512, impl)
+    assert b.loss_impl == want
+    assert b.chunk_tokens == (512 if device == "cpu" else None)
+
+
+def test_fused_loss_is_refused_on_cpu_and_without_triton_naming_the_key(monkeypatch):
+    with pytest.raises(Error, match=r"train.loss_impl is fused.*cpu(?s:.*)fix: set "
+                                    r"train.loss_impl: eager"):
+        distributed.backend_for("cpu", 512, "fused")
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # triton not importable
+    for impl in ("auto", "fused"):
+        with pytest.raises(Error, match=rf"train.loss_impl is {impl}.*triton does not import"
+                                        r"(?s:.*)train.loss_impl: eager"):
+            distributed.backend_for("cuda", 512, impl)
+    assert distributed.backend_for("cuda", 512, "eager").loss_impl == "eager"
 
 
 def test_pack_keeps_order_and_budget():

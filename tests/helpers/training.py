@@ -26,7 +26,7 @@ MICRO_DRAFT = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
 MICRO_TRAIN = dict(seed=0, threads=2, device="cpu", nproc_per_node=1, epochs=2, batch_tokens=512,
                    learning_rate=3e-3, weight_decay=0.0, warmup_steps=2, ttt_steps=3, loss="kl_div",
                    ttt_step_loss_decay=1.0, grad_clip=1.0,
-                   eval_every=4, checkpoint_every=0, cpu_chunk_tokens=512, nnodes=1, rdzv_endpoint=None, init_from=None)
+                   loss_impl="auto", eval_every=4, checkpoint_every=0, cpu_chunk_tokens=512, nnodes=1, rdzv_endpoint=None, init_from=None)
 
 
 def draft_arch(verifier: Path, **overrides) -> archmod.DraftArch:

@@ -138,6 +138,11 @@ def _train_problems(p: Params, file: str, lines: dict, problems: list[Problem]) 
                                 f"copy the draft export into {INIT_DIR}/<name> (or "
                                 f"`dvc add {INIT_DIR}/<name>`) and set "
                                 f"train.init_from: {INIT_DIR}/<name>"))
+    if t.loss_impl == "fused" and t.device == "cpu":
+        problems.append(Problem(file, lines.get("train.loss_impl"), "train.loss_impl",
+                                "fused is speculators' Triton kernel, which runs on cuda only, "
+                                "and train.device is cpu",
+                                "use train.loss_impl: eager (or auto), or train.device: cuda"))
     if t.nnodes > 1 and not _endpoint(t.rdzv_endpoint):
         unset = t.rdzv_endpoint is None  # then the key just set is nnodes
         key = "train.nnodes" if unset else "train.rdzv_endpoint"

@@ -164,6 +164,9 @@ class TrainParams:
                      "(its EAGLE-3 default, forward KL to the verifier's distribution), ce "
                      "(cross-entropy on the verifier's greedy token), rkl, jsd, tv, nla, "
                      "lk_hybrid", choices=LOSSES)
+    loss_impl: str = spec("how speculators.losses computes the loss: eager (plain torch, "
+                          "every device), fused (its Triton kernel: cuda with Triton only), "
+                          "auto (eager on cpu, fused on cuda)", choices=("auto", "eager", "fused"))
     eval_every: int = spec("steps between eval-loss logs", min=1)
     checkpoint_every: int = spec("steps between checkpoints (0: only when stopped by SIGTERM or "
                                  "SIGINT); `dvc repro` after a crash resumes from the newest "

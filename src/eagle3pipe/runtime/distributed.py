@@ -130,24 +130,35 @@ class Backend:
     pad_multiple: int            # collated length rounded up to a multiple of this
 
 
-def backend_for(device: str, cpu_chunk_tokens: int) -> Backend:
+def backend_for(device: str, cpu_chunk_tokens: int, loss_impl: str) -> Backend:
     """CPU: sdpa (flex attention has no CPU backward), the eager loss (the fused one needs
-    Triton), and every packed batch run as micro-batches of <= cpu_chunk_tokens tokens
+    Triton on CUDA), and every packed batch run as micro-batches of <= cpu_chunk_tokens tokens
     (train.cpu_chunk_tokens) with
     gradient accumulation: sdpa gets a dense [T, ttt*T] mask, so one long pack costs far more
     than its short pieces together (a quadratic mask; bench/README.md), all of it on
     cross-document pairs that are masked out anyway. Each micro-batch's loss is weighted by its share of loss-mask tokens, so
     the step's loss and gradient are speculators' token-weighted mean over the whole pack.
     CUDA: speculators' own defaults, one packed batch per forward (flex attention skips the
-    masked blocks), the fused Triton loss when Triton is importable."""
+    masked blocks); the loss as train.loss_impl says (auto: the fused Triton kernel, which
+    speculators' Trainer uses wherever Triton imports; eager where torch.compile cannot trace
+    that kernel's backward, as torch 2.11's dynamo could not on an H200: docs/setup.md)."""
     if device == "cpu":
+        if loss_impl == "fused":  # config.cross_check refuses this in params first
+            raise DistributedError("train.loss_impl is fused: speculators' Triton kernel runs "
+                                   "on cuda only, and train.device is cpu",
+                                   fix="set train.loss_impl: eager (or auto)")
         return Backend("sdpa", "eager", torch.bfloat16, torch.bfloat16, cpu_chunk_tokens, 1)
-    try:
-        import triton  # noqa: F401
-        loss_impl = "fused"
-    except ImportError:
-        loss_impl = "eager"
-    return Backend("simple_flex_attention", loss_impl, torch.bfloat16, torch.bfloat16, None,
+    impl = "fused" if loss_impl == "auto" else loss_impl
+    if impl == "fused":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise DistributedError(f"train.loss_impl is {loss_impl}: on cuda that is "
+                                   f"speculators' fused Triton loss, and triton does not import "
+                                   f"({e})", fix="install the CUDA set (`make setup` on a "
+                                   "machine with an NVIDIA driver), or set train.loss_impl: "
+                                   "eager") from e
+    return Backend("simple_flex_attention", impl, torch.bfloat16, torch.bfloat16, None,
                    PAD_MULTIPLE)
 
 

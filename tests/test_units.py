@@ -183,6 +183,65 @@ def test_the_capture_engine_config_carries_the_identity_to_the_connector(tmp_pat
     assert json.loads(cfg["kv_connector_extra_config"][IDENTITY]) == ident
 
 
+# ---- on CUDA, on-demand engines run batch-invariant, and their keys and identity say so
+
+
+def test_on_demand_settings_add_batch_invariance_on_cuda_only_and_keys_and_identity_follow(
+        monkeypatch):
+    from eagle3pipe.engines import engine
+    from eagle3pipe.hidden import keys, on_demand
+
+    base = engine.probe_settings("bfloat16", False)
+    # here, without CUDA: nothing added, so the keys and records are the offline ones
+    assert engine.on_demand_settings(base) == base
+    assert engine.numeric(base) == {k: base[k] for k in engine.NUMERIC}
+    monkeypatch.setattr(engine, "cuda_available", lambda: True)
+    inv = engine.on_demand_settings(base)
+    assert engine.numeric(inv) == {**engine.numeric(base), "batch_invariant": True}
+    assert "batch_invariant" not in engine.engine_kwargs(inv, "m")  # an env var, not an arg
+    key = lambda s: keys.sample_keys("fp", [[1, 2, 3]], [1, 2], engine.numeric(s), "bfloat16")  # noqa: E731
+    assert key(inv) != key(base)  # a batch-variant entry is never read as an invariant one
+    want = on_demand.describe("fp", engine.numeric(inv), [1, 2], "0.32.0")
+    [wrong] = on_demand.identity_mismatch(
+        on_demand.describe("fp", engine.numeric(base), [1, 2], "0.32.0"), want)
+    assert wrong.startswith("engine_settings: ") and "'batch_invariant': True" in wrong, wrong
+
+
+def test_environment_sets_vllm_batch_invariant_where_the_settings_ask():
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom eagle3pipe.engines import engine as E\n"
+            "s = E.probe_settings('bfloat16', False)\nE.environment(s)\n"
+            "a = os.environ.get('VLLM_BATCH_INVARIANT')\n"
+            "E.environment({**s, E.BATCH_INVARIANT: True})\n"
+            "print(a, os.environ.get('VLLM_BATCH_INVARIANT'))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "VLLM_BATCH_INVARIANT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["None", "1"], out
+
+
+def test_a_cuda_engine_refuses_a_manifest_whose_keys_are_for_cpu_states(monkeypatch):
+    from types import SimpleNamespace
+
+    from eagle3pipe.config.view import RunSettings
+    from eagle3pipe.engines import engine
+    from eagle3pipe.hidden import on_demand
+
+    m = online.Manifest(path=Path("artifacts/hidden/manifest.json"), mode="hybrid", keys={},
+                        layer_ids=[1, 2], dtype="bfloat16", hidden_size=H,
+                        engine=engine.numeric(engine.probe_settings("bfloat16", False)))
+    run = RunSettings(0.9, None, None, False, "auto", None, 4)
+    v = SimpleNamespace(fingerprint="fp", model_dir="m", dir="m")
+    monkeypatch.setattr(engine, "cuda_available", lambda: True)
+    with pytest.raises(Error, match=r"artifacts/hidden/manifest.json: the extract stage ran "
+                                    r"where vLLM has no batch-invariant mode(?s:.*)fix: run "
+                                    r"`dvc repro -f -s extract` on this machine"):
+        with on_demand.source(m, v, run, threads=1):
+            pass
+
+
 # ---- the on-demand producer
 
 

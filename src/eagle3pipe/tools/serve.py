@@ -187,6 +187,8 @@ def serve(*, fmt: str = "vllm", host: str = "127.0.0.1", port: int = 8000,
     server that does not answer /health in `timeout` seconds, or exits, is a ServeError."""
     r = recipe(params_file, configs_dir, fmt)
     draft = draft and not hidden_states
+    if hidden_states:  # an on-demand engine: on CUDA batch-invariant, and its identity says so
+        r["settings"] = engine.on_demand_settings(r["settings"])
     if draft:
         check_export(r["draft"])
     model = check_verifier(verifier_dir, r["engine_args"]["model"])

@@ -41,7 +41,7 @@ from eagle3pipe.config.view import StageView
 from eagle3pipe.data import store
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.data.samples import read as read_split
-from eagle3pipe.engines.engine import numeric, vllm_version
+from eagle3pipe.engines.engine import numeric, on_demand_settings, vllm_version
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
@@ -125,6 +125,8 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     validated and published atomically. `e` is the params' `extract` section. Returns the
     metrics (tokens_per_second is the only timing)."""
     seed_everything(e.seed, e.threads)
+    if e.mode != "offline":  # the train stage's engine computes the rest with these settings
+        settings = on_demand_settings(settings)
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     spec = read_capture(capture_path, v.info)  # fail fast, before loading weights

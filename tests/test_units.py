@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -320,6 +322,76 @@ def test_online_deletes_after_the_last_use_and_hybrid_keeps_within_budget(monkey
     store.Store("hidden").path("x").unlink()
     monkeypatch.setenv(environment.STORE_MAX_BYTES, str(one))
     assert _consume(_producer("hybrid", plan, window=3)[0], plan)["kept_in_store"] == 1
+
+
+def test_online_cleanup_leaves_what_another_live_run_holds_a_lease_on():
+    from eagle3pipe.data import leases
+
+    plan = [["a", "b"], ["c"]]
+    p, _, _ = _producer("online", plan, window=2)
+    with leases.hold(store.root(), {"hidden": ["b", "zz"]}):  # another run reads b
+        stats = _consume(p, plan)
+    assert stats["computed"] == 3 and stats["deleted"] == 2, stats
+    assert p.hs.has("b") and not p.hs.has("a") and not p.hs.has("c")
+
+
+# ---- leases: what a live run still needs, which gc, bounds and other runs' cleanup keep
+
+
+def test_a_lease_is_held_while_its_block_runs_and_its_heartbeat_renews_it():
+    from eagle3pipe.data import leases
+
+    base = store.root()
+    with leases.hold(base, {"hidden": ["k1", "k2"], "dataset": ["r"]}, heartbeat=0.05) as mine:
+        assert leases.held(base) == {"hidden": {"k1", "k2"}, "dataset": {"r"}}
+        assert leases.held(base, mine=mine) == {}  # a run's own cleanup sees only others'
+        os.utime(mine, (1, 1))  # as if its last beat were long ago: the next beat renews it
+        deadline = time.time() + 10
+        while mine.stat().st_mtime < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert mine.stat().st_mtime > time.time() - 60 and leases.dead(base) == []
+    assert not mine.exists() and leases.held(base) == {}
+
+
+def test_dead_leases_hold_nothing_and_gc_removes_them(tmp_path):
+    from eagle3pipe.data import leases
+    from eagle3pipe.runtime import atomic
+
+    base = store.root()
+    (base / leases.LEASES).mkdir(parents=True)
+    doc = lambda ks: json.dumps({"keys": {"hidden": ks}})  # noqa: E731
+    killed = base / leases.LEASES / f"{_dead_pid()}-{atomic.HOST}.a.json"  # its run was killed
+    stalled = base / leases.LEASES / f"{os.getpid()}-{atomic.HOST}.b.json"  # no beat for long
+    remote = base / leases.LEASES / "4242-0123abcd.c.json"  # another node's, beating
+    for f, ks in ((killed, ["x0"]), (stalled, ["y0"]), (remote, ["z0"])):
+        f.write_text(doc(ks))
+    old = time.time() - leases.TTL_S - 1
+    os.utime(stalled, (old, old))
+    assert leases.held(base) == {"hidden": {"z0"}}
+    assert leases.dead(base) == sorted([killed, stalled])
+    hs = store.Store("hidden")
+    for k in ("x0", "y0", "z0"):
+        hs.put_hidden(k, [1, 2], torch.zeros(2, SLOTS, H))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    r = store.gc(repo, None)  # every unreferenced entry: all but the live lease's
+    assert (r["removed"], r["leftovers_removed"]) == (2, 2), r
+    assert hs.has("z0") and not hs.has("x0") and not hs.has("y0")
+    assert not killed.exists() and not stalled.exists() and remote.exists()
+
+
+def test_gc_and_a_bound_keep_what_a_live_run_leases_then_remove_it(tmp_path):
+    from eagle3pipe.data import leases
+
+    hs = store.Store("hidden")
+    for k in ("old", "new"):
+        hs.put_hidden(k, [1, 2], torch.zeros(2, SLOTS, H))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with leases.hold(store.root(), {"hidden": ["old"]}):
+        r = store.gc(repo, 0)  # a bound of nothing, as another run's enforce_bound could have
+        assert r["removed"] == 1 and hs.has("old") and not hs.has("new"), r
+    assert store.gc(repo, 0)["removed"] == 1 and not hs.has("old")
 
 
 def test_a_pack_the_trainer_is_past_is_not_computed_again():

@@ -24,7 +24,8 @@ metrics file of dvc.yaml, not a stage output.
 Size: after publishing, each data stage removes unreferenced entries, oldest first, until the
 store holds at most $EAGLE3PIPE_STORE_MAX_BYTES (default DEFAULT_BOUND; enforce_bound), and
 `eagle3pipe gc [--max-bytes]` does the same on demand. Both keep every entry that the
-workspace's outputs, a dvc.lock on any git ref or a DVC experiment still refers to (referenced):
+workspace's outputs, a dvc.lock on any git ref or a DVC experiment still refers to (referenced),
+and every entry a live run holds a lease on (eagle3pipe.data.leases):
 the bound is never met by deleting what a checkout would need; the log says when those alone
 exceed it.
 """
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3pipe.config import dvcfile
+from eagle3pipe.data import leases
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.atomic import dead_writers, remove, temp_sibling
@@ -235,11 +237,15 @@ def _tree_bytes(p: Path) -> int:
 
 def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path | None = None
        ) -> dict:
-    """Removes store entries no committed dvc.lock, experiment or workspace output refers to,
-    oldest first, until the store holds at most max_bytes (None: every unreferenced entry), and
-    the temporaries dead writers on this host left in it (runtime.atomic.dead_writers).
-    Referenced entries are never removed; the report says when they alone exceed the bound."""
+    """Removes store entries no committed dvc.lock, experiment, workspace output or live lease
+    (eagle3pipe.data.leases) refers to, oldest first, until the store holds at most max_bytes
+    (None: every unreferenced entry), and the temporaries dead writers on this host left in it
+    (runtime.atomic.dead_writers) and dead runs' leases. Referenced and leased entries are never
+    removed; the report says when they alone exceed the bound."""
     keep = referenced(repo)
+    held = leases.held(base or root())
+    for kind in KINDS:
+        keep[kind] |= held.get(kind, set())
     entries = [(p.stat().st_mtime, p, kind, p.stat().st_size) for kind in KINDS
                for p in Store(kind, base).entries()]
     total = sum(e[3] for e in entries)
@@ -253,7 +259,8 @@ def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path |
             p.unlink()
         removed, freed = removed + 1, freed + size
     kept_bytes = total - freed
-    left = dead_writers(base or root()) if (base or root()).is_dir() else []
+    left = dead_writers(base or root()) + leases.dead(base or root()) \
+        if (base or root()).is_dir() else []
     left_bytes = sum(_tree_bytes(p) for p in left)
     if not dry_run:
         for p in left:

@@ -38,7 +38,7 @@ from hs_connectors import HiddenStatesTransfer
 from safetensors.torch import load_file
 
 from eagle3pipe.config.view import RunSettings
-from eagle3pipe.data import store
+from eagle3pipe.data import leases, store
 from eagle3pipe.hidden import spec
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime.units import human
@@ -110,6 +110,7 @@ class Producer:
         self.waited_s, self.error, self.stopping = 0.0, None, False
         self.computed = self.deleted = 0
         self.budget = self._hybrid_budget() if m.mode == "hybrid" else 0
+        self.lease: Path | None = None  # this run's lease (supply), left out of _others()
         self.thread = threading.Thread(target=self._run, name="hidden-states", daemon=True)
 
     def _hybrid_budget(self) -> int:
@@ -177,21 +178,27 @@ class Producer:
 
     def release(self, pack: list[str]) -> None:
         """The trainer is done with one pack of the plan: online deletes what this run computed
-        and no later pack of the plan uses."""
+        and no later pack of the plan uses, unless another live run holds a lease on it."""
+        others = self._others()
         with self.cond:
             self.released += 1
             for k in pack:
                 self.uses[k] -= 1
                 if self.uses[k] <= 0:
-                    self._drop(k)
+                    self._drop(k, others)
             self.cond.notify_all()
 
-    def _drop(self, k: str) -> None:
+    def _others(self) -> set[str]:
+        """The keys other live runs hold leases on (eagle3pipe.data.leases)."""
+        return leases.held(self.hs.dir.parent, mine=self.lease).get(self.hs.kind, set())
+
+    def _drop(self, k: str, others: set[str]) -> None:
         if k in self.generated and k not in self.keep_always:
-            self.hs.path(k).unlink(missing_ok=True)
+            if k not in others:  # another run reads it: its own cleanup or gc removes it later
+                self.hs.path(k).unlink(missing_ok=True)
+                self.deleted += 1
             self.generated.discard(k)
             self.ready.discard(k)
-            self.deleted += 1
 
     def close(self) -> dict[str, Any]:
         """Stops the thread, drops what online keeps no longer; returns what the run did."""
@@ -199,9 +206,10 @@ class Producer:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join(timeout=600)
+        others = self._others()
         with self.cond:
             for k in list(self.generated):
-                self._drop(k)
+                self._drop(k, others)
         kept = sum(1 for k in self.keep_always if k in self.tokens and self.hs.has(k))
         return {"mode": self.m.mode, "computed": self.computed, "deleted": self.deleted,
                 "kept_in_store": kept, "engine_wait_seconds": round(self.waited_s, 3)}
@@ -281,16 +289,21 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
         check_states(hidden, ids, m.layer_ids, file=str(m.path), sample=f"store key {k}")
 
     hs = store.Store("hidden")
-    needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
-    with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
-        p = Producer(compute, hs, demand.tokens, demand.plan, m=m, lead=demand.lead,
-                     batch_size=run.batch_size, window=PREFETCH_PACKS, check=check).start()
-        for t in demand.transfers:
-            t.producer = p
-        try:
-            yield p.release
-        finally:
-            stats = p.close()
+    # the lease first: from here no gc, other run's bound or cleanup removes an entry this run
+    # found in the store and will read (eagle3pipe.data.leases)
+    with leases.hold(store.root(), {hs.kind: demand.tokens}) as lease:
+        needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
+        with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
+            p = Producer(compute, hs, demand.tokens, demand.plan, m=m, lead=demand.lead,
+                         batch_size=run.batch_size, window=PREFETCH_PACKS, check=check)
+            p.lease = lease
+            p.start()
+            for t in demand.transfers:
+                t.producer = p
+            try:
+                yield p.release
+            finally:
+                stats = p.close()
     engine = (run.endpoint or "engine in this stage") if needed else \
         "no engine started: every sample was in the store"
     log.info("%s: computed %d samples' hidden states (%s), kept %d in the store, deleted %d; "

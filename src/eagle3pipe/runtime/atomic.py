@@ -78,6 +78,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def writer_alive(tag: str) -> bool:
+    """Whether the writer named by `tag` (`<pid>-<host>`, writer_tag) may still run: another
+    host's always may (its processes cannot be seen from here); this host's while its pid
+    runs."""
+    pid, _, host = tag.partition("-")
+    return host != HOST or (pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))))
+
+
 def writer_tag() -> str:
     """This process as temporary names carry it: `<pid>-<host>`."""
     return f"{os.getpid()}-{HOST}"

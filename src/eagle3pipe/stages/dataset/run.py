@@ -37,7 +37,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle3pipe.config.view import StageView
-from eagle3pipe.data import store
+from eagle3pipe.data import leases, store
 from eagle3pipe.data.prompts import Prompt, ReadReport, jsonl_prompts, stdlib_prompts
 from eagle3pipe.data.samples import write_jsonl
 from eagle3pipe.engines import engine
@@ -216,15 +216,17 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     log.info("%d prompts from %s (%d skipped); generating with vLLM",
              len(prompts), report.source, skipped)
     keys = reply_keys(v, prompts, cfg, settings)
-    replies, finish, timing = generate(v, prompts, cfg, settings, keys, progress=progress)
-    closer = closing_token_id(tokenizer)
-    samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, replies)]
-    for s in samples:  # guaranteed by check_settings; a broken guarantee must not pass silently
-        if len(s["input_ids"]) > cfg.max_seq_len:
-            raise DatasetError(f"sample {s['id']} is {len(s['input_ids'])} tokens, longer than "
-                               f"dataset.max_seq_len {cfg.max_seq_len}")
-    train, evals = split(samples, cfg.eval_fraction, cfg.seed)
-    _write_splits(out_dir, train, evals, prompts, keys)
+    # no gc or other run's bound removes a reply this run reads until its output lists it
+    with leases.hold(store.root(), {"dataset": keys}):
+        replies, finish, timing = generate(v, prompts, cfg, settings, keys, progress=progress)
+        closer = closing_token_id(tokenizer)
+        samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, replies)]
+        for s in samples:  # guaranteed by check_settings; a broken guarantee must not pass silently
+            if len(s["input_ids"]) > cfg.max_seq_len:
+                raise DatasetError(f"sample {s['id']} is {len(s['input_ids'])} tokens, longer than "
+                                   f"dataset.max_seq_len {cfg.max_seq_len}")
+        train, evals = split(samples, cfg.eval_fraction, cfg.seed)
+        _write_splits(out_dir, train, evals, prompts, keys)
     metrics = _metrics(report, prompts, samples, train, evals, finish, timing, settings)
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]
     # a prompt the store already had a reply for (a repeated prompt counts as reused)

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eagle3pipe.config.view import StageView
-from eagle3pipe.data import store
+from eagle3pipe.data import leases, store
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.data.samples import read as read_split
 from eagle3pipe.engines.engine import numeric, on_demand_settings, vllm_version
@@ -147,25 +147,29 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     on_demand = e.mode != "offline"
     capture = {n: ss[:oracle.n] if on_demand and n == "train" else [] if on_demand else ss
                for n, ss in splits.items()}
-    with atomic_dir(out_dir) as tmp:
-        seconds, computed = _capture_missing(v, capture, keys, hs, layer_ids, tmp, settings, e,
-                                             progress, oracle, Path(dataset_dir))
-        linked = 0
-        for name, samples in splits.items():
-            linked += write_split(tmp / name, samples,
-                                  None if on_demand else [hs.path(k) for k in keys[name]])
-            validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
-                           capture_spec.torch_dtype(e.dtype), layer_ids=layer_ids, rows_only=on_demand)
-        total = sum(map(len, capture.values()))
-        oracle = oracle.finish(lambda i: load_file(hs.path(keys["train"][i]))["hidden_states"])
-        counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
-                         "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
-                  for name, ss in splits.items()}
-        write_json(tmp / "manifest.json",
-                   _manifest(spec, counts, keys, layer_ids, settings, e, on_demand))
+    # no gc or other run's bound removes an entry this run reads until its output links it
+    with leases.hold(store.root(), {"hidden": [k for ks in keys.values() for k in ks]}):
+        with atomic_dir(out_dir) as tmp:
+            seconds, computed = _capture_missing(v, capture, keys, hs, layer_ids, tmp, settings, e,
+                                                 progress, oracle, Path(dataset_dir))
+            linked = 0
+            for name, samples in splits.items():
+                linked += write_split(tmp / name, samples,
+                                      None if on_demand else [hs.path(k) for k in keys[name]])
+                validate_split(tmp / name, samples, len(layer_ids), v.info.hidden_size,
+                               capture_spec.torch_dtype(e.dtype), layer_ids=layer_ids, rows_only=on_demand)
+            total = sum(map(len, capture.values()))
+            oracle = oracle.finish(lambda i: load_file(hs.path(keys["train"][i]))["hidden_states"])
+            counts = {name: {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
+                             "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
+                      for name, ss in splits.items()}
+            write_json(tmp / "manifest.json",
+                       _manifest(spec, counts, keys, layer_ids, settings, e, on_demand))
     if e.mode == "online":  # keeps nothing past its use: the oracle's samples are checked
+        others = leases.held(store.root()).get("hidden", set())  # another run reads those
         for k in computed:
-            hs.path(k).unlink(missing_ok=True)
+            if k not in others:
+                hs.path(k).unlink(missing_ok=True)
     store.record("extract", len(computed), total - len(computed), 0, total, linked,
                  to=record_to)
     log.info("store %s: %d samples computed, %d reused, %d published as hard links%s",

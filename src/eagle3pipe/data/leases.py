@@ -1,0 +1,100 @@
+"""Leases on store entries: what a live run still needs, which no `eagle3pipe gc`, no other
+run's bound and no other run's on-demand cleanup removes.
+
+A run that reads or writes store entries it has not published yet (the data stages until their
+output links them, an on-demand train stage while it trains) holds a lease: a JSON file under
+`<store>/leases/`, named for its writer (`<pid>-<host>.<random>.json`), listing the store keys
+by kind, whose mtime a heartbeat thread renews every HEARTBEAT_S. A lease is live while its
+heartbeat is younger than TTL_S and, on this host, while its process runs; a dead one (its run
+killed, its node gone) is a leftover that gc removes. The same idea as a distributed lock's
+lease (a TTL renewed by its holder), on the shared filesystem the store already needs.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from eagle3pipe.runtime.atomic import temp_sibling, writer_alive, writer_tag
+
+LEASES = "leases"
+HEARTBEAT_S = 30.0
+# a heartbeat older than this is a dead holder's: ten missed beats (a busy filesystem or a
+# stalled node may delay a few; none stalls for minutes and still trains)
+TTL_S = 300.0
+_parsed: dict[Path, tuple[int, int, dict[str, set[str]]]] = {}  # path -> (inode, size, keys)
+
+
+@contextlib.contextmanager
+def hold(base: Path, keys: dict[str, Iterable[str]], *,
+         heartbeat: float = HEARTBEAT_S) -> Iterator[Path]:
+    """A live lease on `keys` (kind -> store keys) under the store root `base` for the block;
+    yields its path (what held(mine=...) leaves out). Removed at the end of the block."""
+    d = Path(base) / LEASES
+    d.mkdir(parents=True, exist_ok=True)
+    doc = {"pid": os.getpid(), "writer": writer_tag(),
+           "keys": {kind: sorted(set(ks)) for kind, ks in keys.items()}}
+    tmp = temp_sibling(d / "lease.json")
+    tmp.write_text(json.dumps(doc, sort_keys=True))
+    path = d / f"{writer_tag()}.{tmp.name.rsplit('.', 2)[1]}.json"  # mkstemp's random part
+    os.replace(tmp, path)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    t = threading.Thread(target=beat, name="store-lease", daemon=True)
+    t.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        t.join()
+        path.unlink(missing_ok=True)
+
+
+def _leases(base: Path) -> list[Path]:
+    d = Path(base) / LEASES
+    return sorted(d.glob("*.json")) if d.is_dir() else []
+
+
+def _live(p: Path, now: float) -> bool:
+    try:
+        fresh = now - p.stat().st_mtime < TTL_S
+    except OSError:
+        return False
+    return fresh and writer_alive(p.name.split(".", 1)[0])
+
+
+def held(base: Path, *, mine: Path | None = None) -> dict[str, set[str]]:
+    """kind -> the store keys every live lease under `base` holds, but `mine`'s. A lease file is
+    parsed once (its content never changes; the heartbeat renews only its mtime)."""
+    out: dict[str, set[str]] = {}
+    now = time.time()
+    for p in _leases(base):
+        if p == mine or not _live(p, now):
+            continue
+        try:
+            st = p.stat()
+            ino, size, keys = _parsed.get(p, (None, None, None))
+            if (ino, size) != (st.st_ino, st.st_size):
+                keys = {k: set(v) for k, v in json.loads(p.read_text())["keys"].items()}
+                _parsed[p] = (st.st_ino, st.st_size, keys)
+        except (OSError, ValueError, KeyError):
+            continue  # removed meanwhile, or not a lease: it holds nothing
+        for kind, ks in keys.items():
+            out.setdefault(kind, set()).update(ks)
+    return out
+
+
+def dead(base: Path) -> list[Path]:
+    """The leases whose holders are gone (heartbeat past TTL_S, or this host's pid not
+    running): leftovers for gc."""
+    now = time.time()
+    return [p for p in _leases(base) if not _live(p, now)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import types
 from pathlib import Path
 
@@ -124,6 +125,69 @@ def _repo(tmp_path: Path) -> Path:
         "schema: '2.0'\nstages:\n  extract:\n    cmd: x\n    outs:\n    - path: artifacts/hidden\n"
         "      hash: md5\n      md5: aaaa.dir\n")
     return tmp_path
+
+
+FULL_CHECKPOINT = """
+import json, sys, types
+import torch
+from eagle3pipe.errors import Error
+from eagle3pipe.stages.train import checkpoint as ck
+
+torch.manual_seed(0)
+core = torch.nn.Linear(256, 256)
+opt = torch.optim.AdamW(core.parameters())
+core(torch.ones(2, 256)).sum().backward()
+opt.step()
+s = types.SimpleNamespace(core=core, opt=opt, step=3, d=types.SimpleNamespace(device="cpu"),
+                          sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0))
+c = ck.Checkpoints("k", sys.argv[1])
+first = c.save(s, None, {"n": 3})
+kept = core.weight.detach().clone()
+with torch.no_grad():
+    core.weight.add_(1.0)
+s.step = 6
+try:
+    c.save(s, None, {"n": 6})
+    err = None
+except Error as e:
+    err = str(e)
+left = sorted(p.name for p in c.dir.iterdir())
+s.step = 0
+saved = c.restore(s, c.latest())
+print(json.dumps({"err": err, "left": left, "latest": str(c.latest()), "first": str(first),
+                  "saved": saved, "step": s.step, "same": bool(torch.equal(core.weight, kept))}))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode
+                    != 0, reason="a small real filesystem needs `unshare -Urm`")
+def test_a_full_disk_while_checkpointing_is_one_error_and_the_previous_checkpoint_resumes(
+        tmp_path):
+    """On a real (tmpfs) filesystem with room for one checkpoint, not for the next beside it."""
+    import json
+    import sys
+
+    from helpers.micro import ROOT
+
+    (tmp_path / "ck.py").write_text(FULL_CHECKPOINT)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    # one checkpoint: the weights and AdamW's two moments, 3 x 256 KiB
+    script = (f"mount -t tmpfs -o size=1100k tmpfs {mnt} || exit 90\n"
+              f"{sys.executable} {tmp_path}/ck.py {mnt}")
+    r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    err = got["err"]
+    assert err and err.startswith(f"train: no space left on device writing the checkpoint "
+                                  f"{mnt}/k/step-6 ("), got
+    assert f"the previous checkpoint {mnt}/k/step-3 is whole: the next run resumes from it" \
+        in err and "fix: free space on that filesystem" in err, err
+    # nothing partial beside it; the previous one resumes: its step, its weights, its record
+    assert got["left"] == ["step-3"] and got["latest"] == got["first"], got
+    assert (got["step"], got["saved"], got["same"]) == (3, {"n": 3}, True), got
 
 
 def test_the_key_follows_every_input_and_param_but_the_cadence(tmp_path):

@@ -34,8 +34,10 @@ from ruamel.yaml import YAML
 from eagle3pipe.config import dvcfile
 from eagle3pipe.stages.train.batches import TrainInputError
 from eagle3pipe.runtime.atomic import atomic_dir
+from eagle3pipe.runtime.disk import disk_full, free_bytes
 from eagle3pipe.runtime.distributed import all_reduce
 from eagle3pipe.runtime.hashing import sha256_path
+from eagle3pipe.runtime.units import human
 
 log = logging.getLogger("eagle3pipe.stages.train")
 
@@ -84,6 +86,10 @@ def key_of(train: Any, dvc_yaml: str | Path) -> str:
                      dvc_yaml)
 
 
+class CheckpointError(TrainInputError):
+    """A checkpoint could not be written (a full disk); the previous one stays usable."""
+
+
 class Checkpoints:
     """The checkpoints of one key: save(), latest(), restore(), remove()."""
 
@@ -98,18 +104,40 @@ class Checkpoints:
     def save(self, s, metrics_dir: Path | None, saved: dict[str, Any]) -> Path:
         """The TrainState `s` at its step, the metrics files written so far and `saved` (what
         the loop needs back: its last evaluated point, the metrics' summary), atomically; then
-        the older checkpoints are removed."""
+        the older checkpoints are removed. A full disk is one CheckpointError naming the
+        checkpoint, and the previous one stays whole (it is removed only after this one is
+        published)."""
         target = self.dir / f"step-{s.step}"
-        with atomic_dir(target, output=False) as tmp:
-            torch.save({"model": s.core.state_dict(), "opt": s.opt.state_dict(),
-                        "sched": s.sched.state_dict(), "rng": _rng_state()}, tmp / STATE)
-            if metrics_dir is not None:
-                shutil.copytree(metrics_dir, tmp / METRICS)
-            (tmp / META).write_text(json.dumps({"step": s.step, "saved": saved}, indent=1) + "\n")
+        try:
+            with atomic_dir(target, output=False) as tmp:
+                # through Python's file object: a full disk then reaches us as the OSError
+                # (torch's own writer reports it as "unexpected pos", naming no cause)
+                with open(tmp / STATE, "wb") as f:
+                    torch.save({"model": s.core.state_dict(), "opt": s.opt.state_dict(),
+                                "sched": s.sched.state_dict(), "rng": _rng_state()}, f)
+                if metrics_dir is not None:
+                    shutil.copytree(metrics_dir, tmp / METRICS)
+                (tmp / META).write_text(json.dumps({"step": s.step, "saved": saved},
+                                                   indent=1) + "\n")
+        except Exception as e:
+            if not disk_full(e):
+                raise
+            raise self._no_space(target) from None
         for old in self.dir.glob("step-*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
         return target
+
+    def _no_space(self, target: Path) -> "CheckpointError":
+        fs, free = free_bytes(target)
+        prev = self.latest()
+        kept = (f"the previous checkpoint {prev} is whole: the next run resumes from it" if prev
+                else "there is no earlier checkpoint of this run: the next run starts at step 0")
+        return CheckpointError(
+            f"train: no space left on device writing the checkpoint {target} ({fs} has "
+            f"{human(free)} free now that the partial checkpoint is removed); {kept}; nothing "
+            "was published", fix=f"free space on that filesystem, or put {ROOT.parts[0]}/ on a "
+            "larger one (a symlink), then rerun `dvc repro train`")
 
     def restore(self, s, at: Path) -> dict[str, Any]:
         """Puts the checkpoint `at` back into the TrainState `s` (every rank); returns what

@@ -322,6 +322,12 @@ def test_online_deletes_after_the_last_use_and_hybrid_keeps_within_budget(monkey
     store.Store("hidden").path("x").unlink()
     monkeypatch.setenv(environment.STORE_MAX_BYTES, str(one))
     assert _consume(_producer("hybrid", plan, window=3)[0], plan)["kept_in_store"] == 1
+    # two ranks of one run share the bound: each keeps at most half of what it leaves free
+    for k in ("a", "b", "c"):
+        store.Store("hidden").path(k).unlink(missing_ok=True)
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, str(3 * one))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _consume(_producer("hybrid", plan, window=3)[0], plan)["kept_in_store"] == 1
 
 
 def test_online_cleanup_leaves_what_another_live_run_holds_a_lease_on():
@@ -351,6 +357,19 @@ def test_a_lease_is_held_while_its_block_runs_and_its_heartbeat_renews_it():
             time.sleep(0.02)
         assert mine.stat().st_mtime > time.time() - 60 and leases.dead(base) == []
     assert not mine.exists() and leases.held(base) == {}
+
+
+def test_the_ranks_of_one_run_share_their_entries_and_other_runs_leases_hold():
+    from eagle3pipe.data import leases
+
+    base = store.root()
+    with leases.hold(base, {"hidden": ["a"]}, run="job1") as rank0, \
+            leases.hold(base, {"hidden": ["b"]}, run="job1") as rank1, \
+            leases.hold(base, {"hidden": ["c"]}, run="job2"), \
+            leases.hold(base, {"hidden": ["d"]}):
+        assert leases.held(base, mine=rank0) == {"hidden": {"c", "d"}}
+        assert leases.held(base, mine=rank1) == {"hidden": {"c", "d"}}
+        assert leases.held(base) == {"hidden": {"a", "b", "c", "d"}}  # gc keeps every run's
 
 
 def test_dead_leases_hold_nothing_and_gc_removes_them(tmp_path):

@@ -26,17 +26,19 @@ HEARTBEAT_S = 30.0
 # a heartbeat older than this is a dead holder's: ten missed beats (a busy filesystem or a
 # stalled node may delay a few; none stalls for minutes and still trains)
 TTL_S = 300.0
-_parsed: dict[Path, tuple[int, int, dict[str, set[str]]]] = {}  # path -> (inode, size, keys)
+_parsed: dict[Path, tuple] = {}  # path -> (inode, size, (run, keys))
 
 
 @contextlib.contextmanager
-def hold(base: Path, keys: dict[str, Iterable[str]], *,
+def hold(base: Path, keys: dict[str, Iterable[str]], *, run: str | None = None,
          heartbeat: float = HEARTBEAT_S) -> Iterator[Path]:
     """A live lease on `keys` (kind -> store keys) under the store root `base` for the block;
-    yields its path (what held(mine=...) leaves out). Removed at the end of the block."""
+    yields its path (what held(mine=...) leaves out, with every lease of the same `run`: the
+    processes of one training run share its entries and their cleanup). Removed at the end of
+    the block."""
     d = Path(base) / LEASES
     d.mkdir(parents=True, exist_ok=True)
-    doc = {"pid": os.getpid(), "writer": writer_tag(),
+    doc = {"pid": os.getpid(), "writer": writer_tag(), "run": run,
            "keys": {kind: sorted(set(ks)) for kind, ks in keys.items()}}
     tmp = temp_sibling(d / "lease.json")
     tmp.write_text(json.dumps(doc, sort_keys=True))
@@ -72,22 +74,36 @@ def _live(p: Path, now: float) -> bool:
     return fresh and writer_alive(p.name.split(".", 1)[0])
 
 
+def _read(p: Path) -> tuple[str | None, dict[str, set[str]]]:
+    """A lease's run and keys, parsed once (its content never changes; the heartbeat renews
+    only its mtime)."""
+    st = p.stat()
+    ino, size, got = _parsed.get(p, (None, None, None))
+    if (ino, size) != (st.st_ino, st.st_size):
+        doc = json.loads(p.read_text())
+        got = (doc.get("run"), {k: set(v) for k, v in doc["keys"].items()})
+        _parsed[p] = (st.st_ino, st.st_size, got)
+    return got
+
+
 def held(base: Path, *, mine: Path | None = None) -> dict[str, set[str]]:
-    """kind -> the store keys every live lease under `base` holds, but `mine`'s. A lease file is
-    parsed once (its content never changes; the heartbeat renews only its mtime)."""
+    """kind -> the store keys every live lease under `base` holds, but `mine`'s and those of
+    `mine`'s run."""
     out: dict[str, set[str]] = {}
     now = time.time()
+    own = None
+    if mine is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            own = _read(mine)[0]
     for p in _leases(base):
         if p == mine or not _live(p, now):
             continue
         try:
-            st = p.stat()
-            ino, size, keys = _parsed.get(p, (None, None, None))
-            if (ino, size) != (st.st_ino, st.st_size):
-                keys = {k: set(v) for k, v in json.loads(p.read_text())["keys"].items()}
-                _parsed[p] = (st.st_ino, st.st_size, keys)
+            run, keys = _read(p)
         except (OSError, ValueError, KeyError):
             continue  # removed meanwhile, or not a lease: it holds nothing
+        if own is not None and run == own:
+            continue
         for kind, ks in keys.items():
             out.setdefault(kind, set()).update(ks)
     return out

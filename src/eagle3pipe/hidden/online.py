@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -114,11 +115,15 @@ class Producer:
         self.thread = threading.Thread(target=self._run, name="hidden-states", daemon=True)
 
     def _hybrid_budget(self) -> int:
+        """This process's share of what the store's bound leaves free: every rank of a run
+        (WORLD_SIZE) keeps at most 1/world of it, so that together they stay within it."""
         limit, source = store.bound()
         used = sum(p.stat().st_size for kind in store.KINDS for p in store.Store(kind).entries())
-        log.info("hybrid: keeping computed hidden states in %s up to its bound %s (%s); %s used",
-                 store.root(), human(limit), source, human(used))
-        return limit - used
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        log.info("hybrid: keeping computed hidden states in %s up to its bound %s (%s); %s used"
+                 "%s", store.root(), human(limit), source, human(used),
+                 f"; this rank's share 1/{world}" if world > 1 else "")
+        return max(0, limit - used) // world
 
     def start(self) -> "Producer":
         self.thread.start()
@@ -291,7 +296,10 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
     hs = store.Store("hidden")
     # the lease first: from here no gc, other run's bound or cleanup removes an entry this run
     # found in the store and will read (eagle3pipe.data.leases)
-    with leases.hold(store.root(), {hs.kind: demand.tokens}) as lease:
+    # torchrun's run id: every rank of this run shares its entries (one rank's online cleanup
+    # may remove what another will compute again), other runs' leases are kept
+    with leases.hold(store.root(), {hs.kind: demand.tokens},
+                     run=os.environ.get("TORCHELASTIC_RUN_ID")) as lease:
         needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
         with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
             p = Producer(compute, hs, demand.tokens, demand.plan, m=m, lead=demand.lead,

@@ -244,6 +244,53 @@ def test_a_cuda_engine_refuses_a_manifest_whose_keys_are_for_cpu_states(monkeypa
             pass
 
 
+def test_a_server_that_went_away_is_retried_with_backoff_for_the_bounded_wait():
+    import urllib.error
+
+    from eagle3pipe.hidden import on_demand
+
+    slept: list[float] = []
+    calls = iter([ConnectionRefusedError(111, "refused"),
+                  urllib.error.URLError(ConnectionResetError(104, "reset")), "answer"])
+
+    def call():
+        got = next(calls)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    assert on_demand.with_backoff(call, wait_s=600, what="s", sleep=slept.append) == "answer"
+    assert slept == [1.0, 2.0]  # restarted within the wait: the run goes on
+
+    def gone():
+        raise urllib.error.URLError(ConnectionRefusedError(111, "refused"))
+    slept.clear()
+    with pytest.raises(urllib.error.URLError):
+        on_demand.with_backoff(gone, wait_s=100, what="s", sleep=slept.append)
+    assert slept == [1, 2, 4, 8, 16, 30, 30, 9] and sum(slept) == 100  # capped, then bounded
+    for answered in (urllib.error.HTTPError("u", 500, "boom", None, None),
+                     urllib.error.URLError(TimeoutError("timed out"))):
+        slept.clear()
+
+        def once(e=answered):
+            raise e
+        with pytest.raises(urllib.error.URLError):  # it answered (or took it): no retry
+            on_demand.with_backoff(once, wait_s=100, what="s", sleep=slept.append)
+        assert slept == []
+
+
+def test_the_server_wait_is_a_number_of_seconds(monkeypatch):
+    monkeypatch.setenv(environment.SERVER_WAIT, "5")
+    assert environment.seconds(environment.SERVER_WAIT, default=600) == 5.0
+    monkeypatch.delenv(environment.SERVER_WAIT)
+    assert environment.seconds(environment.SERVER_WAIT, default=600) == 600.0
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv(environment.SERVER_WAIT, bad)
+        with pytest.raises(Error, match=r"\$EAGLE3PIPE_SERVER_WAIT: .* is not a number of "
+                                        r"seconds(?s:.*)fix: set it to seconds such as 600"):
+            environment.seconds(environment.SERVER_WAIT, default=600)
+
+
 # ---- the on-demand producer
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -33,14 +34,48 @@ from safetensors.torch import load_file
 from eagle3pipe.config.view import RunSettings
 from eagle3pipe.data import store
 from eagle3pipe.errors import Error
+from eagle3pipe.runtime import environment
 
 INCOMING = "incoming"
 SERVER_JSON = "server.json"
 REQUEST_TIMEOUT_S = 600.0
+# a server that went away (killed, restarting) is waited for this long in all, by default
+# ($EAGLE3PIPE_SERVER_WAIT), retrying after 1, 2, 4, ... s, at most MAX_BACKOFF_S apart
+SERVER_WAIT_S = 600.0
+MAX_BACKOFF_S = 30.0
+log = logging.getLogger("eagle3pipe.hidden.on_demand")
 
 
 class EndpointError(Error, RuntimeError):
     pass
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A server that cannot be reached (refused, reset, gone mid-answer), not one that answered
+    with an error."""
+    if isinstance(e, urllib.error.HTTPError):
+        return False
+    reason = getattr(e, "reason", e)
+    if isinstance(reason, TimeoutError):  # it took the request and did not answer in time
+        return False
+    return isinstance(e, ConnectionError) or isinstance(reason, (ConnectionError, OSError))
+
+
+def with_backoff(call, *, wait_s: float, what: str, sleep=time.sleep):
+    """call(), retried while its server cannot be reached, after 1, 2, 4, ... s (at most
+    MAX_BACKOFF_S apart) and `wait_s` seconds in all; then the last error, raised."""
+    delay, waited = 1.0, 0.0
+    while True:
+        try:
+            return call()
+        except (urllib.error.URLError, OSError) as e:
+            if not _unreachable(e) or waited >= wait_s:
+                raise
+            pause = min(delay, MAX_BACKOFF_S, wait_s - waited)
+            log.warning("%s: unreachable (%s); retrying in %.0f s (%.0f of %.0f s waited)",
+                        what, getattr(e, "reason", e), pause, waited, wait_s)
+            sleep(pause)
+            waited, delay = waited + pause, delay * 2
 
 
 def storage() -> Path:
@@ -151,13 +186,22 @@ class Server:
     def __call__(self, prompts: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
         from eagle3pipe.hidden.capture import FLUSH_TIMEOUT_S
 
+        wait = environment.seconds(environment.SERVER_WAIT, default=SERVER_WAIT_S)
+
+        def request(ids: list[int]) -> Path:
+            return with_backoff(lambda: self._request(ids), wait_s=wait,
+                                what=f"extract.endpoint {self.endpoint}")
         try:
             with ThreadPoolExecutor(max(1, len(prompts))) as pool:
-                paths = list(pool.map(self._request, prompts))
+                paths = list(pool.map(request, prompts))
         except (urllib.error.URLError, OSError) as e:
-            raise EndpointError(f"extract.endpoint {self.endpoint}: a request failed ({e})",
-                                fix="check the server's log; restart it and rerun "
-                                "`dvc repro train`") from None
+            gone = _unreachable(e)
+            raise EndpointError(
+                f"extract.endpoint {self.endpoint}: "
+                + (f"unreachable for {wait:.0f} s (${environment.SERVER_WAIT}) after it had "
+                   f"answered: {getattr(e, 'reason', e)}" if gone else f"a request failed ({e})"),
+                fix="check the server's log; restart it (`eagle3pipe serve --hidden-states`) "
+                "and rerun `dvc repro train`: it resumes from its last checkpoint") from None
         for j, (ids, path) in enumerate(zip(prompts, paths)):
             deadline = time.monotonic() + FLUSH_TIMEOUT_S
             while not path.is_file():

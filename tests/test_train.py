@@ -220,7 +220,8 @@ def test_cpu_micro_batches_give_the_packed_step(inputs):
     model = trainmod.build_model(a, inputs.verifier, d2t, t2d, speculative_tokens=3,
                                  attn_impl="sdpa")
     ds = batches.open_datapath(inputs.hidden / "train", 1024, torch.float32)
-    exact = dataclasses.replace(distributed.backend_for("cpu", MICRO_TRAIN["cpu_chunk_tokens"]),
+    exact = dataclasses.replace(distributed.backend_for("cpu", MICRO_TRAIN["cpu_chunk_tokens"],
+                                                        "eager"),
                                 autocast=None,
                                 data_dtype=torch.float32)
     collate = CollateFn(1024, a.target_hidden_size, 3, dtype=torch.float32,

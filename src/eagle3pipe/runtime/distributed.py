@@ -87,6 +87,17 @@ def all_reduce(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def largest(n: int, d: Dist) -> int:
+    """The largest of each rank's n (a collective: every rank calls it); n alone."""
+    if d.world <= 1:
+        return n
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64, device=d.device)  # NCCL: on the GPU
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 @contextmanager
 def lost_peers(d: Dist) -> Iterator[None]:
     """Inside, a collective that fails because another training process died (its node lost,

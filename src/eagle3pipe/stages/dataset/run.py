@@ -102,8 +102,10 @@ def check_settings(cfg: Any, v: Verifier, at: ParamsAt = ParamsAt()) -> None:
 
 
 def reply_keys(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict) -> list[str]:
-    """Each prompt's store key: what determines the verifier's greedy reply to it."""
+    """Each prompt's store key: what determines the verifier's greedy reply to it (vLLM's
+    version included: its kernels decide near-ties between tokens)."""
     base = {"stage": "dataset", "verifier": v.fingerprint, "engine": engine.numeric(settings),
+            "vllm": engine.vllm_version(),
             "sampling": {"temperature": 0.0, "max_tokens": cfg.max_new_tokens,
                          "seed": cfg.seed}}
     return [store.key(**base, prompt=p.ids) for p in prompts]

@@ -137,7 +137,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     out_dir = Path(out_dir)
     layer_ids = spec.layer_ids
     keys = {name: sample_keys(v.fingerprint, [s.input_ids for s in ss], layer_ids,
-                              numeric(settings), e.dtype)
+                              numeric(settings), e.dtype, vllm_version())
             for name, ss in splits.items()}
     hs = store.Store("hidden")
     # transformers' side of the oracle before the engine starts (never both models in memory):

@@ -53,6 +53,7 @@ from eagle3pipe.runtime.distributed import (
     Dist,
     all_reduce,
     backend_for,
+    largest,
     lost_peers,
     setup_distributed,
     teardown,
@@ -342,7 +343,8 @@ def train(p, draft_config: str | Path, verifier: str | Path, hidden: str | Path,
     resumed = resume(state, checkpoints)
     demand = demand_of(state)
     with online.supply(demand, verifier, run, threads=p.threads,
-                       record_to=record_to if state.d.main else None) as release:
+                       record_to=record_to if state.d.main else None,
+                       agree=lambda n: largest(n, state.d)) as release:
         if demand is not None:
             keys = state.train.ds.transfer.keys
             state.after_step = lambda idx: release([keys[i] for i in idx])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.pipeline import env, repro, set_param, sh
+from helpers.pipeline import env, fault_hold, repro, set_param, sh, start, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +107,44 @@ def _from_server(repo: Path) -> dict:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=120)
     out["restarted"] = _restarted_server(repo, port)
+    out["killed"] = _killed_server(repo, port)
     out["no server"] = _train_again(repo)
+    return out
+
+
+def _killed_server(repo: Path, port: int) -> dict:
+    """The server killed mid-run. One sample a pack (train.batch_tokens 16: 8 packs an epoch,
+    more than the producer fetches ahead) and a checkpoint every step: an uninterrupted run
+    first, then one held at its first checkpoint (step 1) while the vLLM server gets SIGKILL;
+    released, it trains on what the producer fetched ahead, waits EAGLE3PIPE_SERVER_WAIT (3 s)
+    for the pack it still needs and fails; with the server restarted, `dvc repro` resumes from
+    the newest checkpoint."""
+    _set(repo, **{"train.checkpoint_every": 1, "train.batch_tokens": 16})
+    held, release = repo.parent / "held", repo.parent / "release"
+    log = repo.parent / "killed.log"
+    hold = fault_hold(repo / "src", repo / ".eagle3pipe/checkpoints/train/*/step-1", held,
+                      release)
+    server = _start_server(repo, port)
+    try:
+        whole = _train_again(repo)
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        out = {"uninterrupted": (repo / WEIGHTS).read_bytes()}
+        proc = start(repo, "dvc", "repro", "-f", "-s", "train", log=log,
+                     env_extra={**hold, "EAGLE3PIPE_SERVER_WAIT": "3"})
+        wait_for("the trainer held at step 1", held.exists, timeout=600, proc=proc, log=log)
+    finally:  # the vLLM server dies; `eagle3pipe serve` then exits by itself
+        os.killpg(server.vllm_pid, signal.SIGKILL)
+        server.wait(timeout=120)
+    release.touch()
+    out |= {"code": proc.wait(timeout=600), "log": log.read_text(),
+            "published": (repo / "artifacts/train").exists()}
+    server = _start_server(repo, port)
+    try:
+        out["rerun"] = _train_again(repo)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=120)
+    out["weights"] = (repo / WEIGHTS).read_bytes() if (repo / WEIGHTS).exists() else b""
     return out
 
 
@@ -115,10 +153,14 @@ def _start_server(repo: Path, port: int) -> subprocess.Popen:
         [sys.executable, "-m", "eagle3pipe.tools.cli", "serve", "--hidden-states", "--port",
          str(port), "--quiet", "--timeout", "300"], cwd=repo, env=env(repo),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
     for line in server.stdout:
-        if "ready at" in line:
+        lines.append(line)
+        if "ready at" in line:  # the vLLM server runs in a process group of its own
+            server.vllm_pid = int(re.search(r"server pid (\d+)", line)[1])
             return server
-    raise AssertionError(f"the hidden-state server exited ({server.wait()})")
+    raise AssertionError(f"the hidden-state server exited ({server.wait()}):\n"
+                         + "".join(lines[-30:]))
 
 
 def _restarted_server(repo: Path, port: int) -> subprocess.CompletedProcess:
@@ -203,3 +245,19 @@ def test_a_server_restarted_with_other_aux_ids_is_refused_at_its_first_entry(mod
     assert "layer_ids: got [0, 2, 3, 4], the manifest needs [1, 2, 3, 4]" in err, err[-3000:]
     assert "fix: restart the server from this params.yaml" in err, err[-3000:]
     assert "Traceback" not in err.split("train: error:")[0][-2000:], err[-3000:]
+
+
+def test_a_server_killed_mid_run_fails_after_the_wait_and_the_rerun_resumes(modes):
+    _, out = modes
+    k = out["server"]["killed"]
+    assert k["code"] != 0, k["log"][-3000:]
+    assert "unreachable for 3 s ($EAGLE3PIPE_SERVER_WAIT) after it had answered" in k["log"]
+    assert "fix: check the server's log; restart it" in k["log"], k["log"][-3000:]
+    assert "Traceback" not in k["log"].split("train: error:")[0][-2000:], k["log"][-3000:]
+    assert not k["published"]  # nothing published, partial or whole
+    rerun = k["rerun"]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = re.search(r"train: resuming from \S+: step (\d+) of (\d+)",
+                        rerun.stdout + rerun.stderr)
+    assert resumed and 1 <= int(resumed[1]) < int(resumed[2]), (rerun.stdout + rerun.stderr)[-3000:]
+    assert k["weights"] == k["uninterrupted"]  # as if nothing had happened

@@ -168,12 +168,13 @@ FAULT_TAG = "EAGLE3PIPE_FAULT_TAG"  # in the environment of every process of one
 SITE = Path(__file__).parent / "site"  # sitecustomize.py: the hold before publishing
 
 
-def fault_hold(src: Path, target: Path, held: Path) -> dict:
-    """The environment that holds the writer of `target` before it publishes, once it has
-    created `held` (tests/helpers/site/sitecustomize.py), for processes importing eagle3pipe
-    from `src`."""
+def fault_hold(src: Path, target: Path | str, held: Path, release: Path | None = None) -> dict:
+    """The environment that holds the writer of `target` (a path or a glob) before it publishes,
+    once it has created `held` (tests/helpers/site/sitecustomize.py), until it is killed or
+    `release` exists, for processes importing eagle3pipe from `src`."""
     return {"PYTHONPATH": f"{src}:{SITE}", "EAGLE3PIPE_FAULT_HOLD": str(target),
-            "EAGLE3PIPE_FAULT_HELD": str(held)}
+            "EAGLE3PIPE_FAULT_HELD": str(held),
+            **({"EAGLE3PIPE_FAULT_RELEASE": str(release)} if release else {})}
 
 
 def start(repo: Path, *cmd: str, env_extra: dict | None = None,

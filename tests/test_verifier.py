@@ -104,7 +104,8 @@ def test_path_mode_manifest_is_byte_identical_on_rerun_and_follows_headers(tmp_p
     verifier_stage.build(vparams(ckpt), tmp_path / "a", progress=False)
     verifier_stage.build(vparams(ckpt), tmp_path / "b", progress=False)
     assert (tmp_path / "a/manifest.json").read_bytes() == (tmp_path / "b/manifest.json").read_bytes()
-    write_safetensors_header(ckpt / "model-00001-of-00002.safetensors", shard_tensors(0, 1.0),
+    write_safetensors_header(ckpt / "model-00001-of-00002.safetensors",
+                             shard_tensors(0, 1.0, shards=2),
                              metadata={"format": "pt", "requantised": "yes"})
     verifier_stage.build(vparams(ckpt), tmp_path / "c", progress=False)
     assert (tmp_path / "a/manifest.json").read_bytes() != (tmp_path / "c/manifest.json").read_bytes()
@@ -122,10 +123,11 @@ def test_model_dir_path_mode_and_a_vanished_or_changed_checkpoint(tmp_path):
         verifier.model_dir(out)
     os.truncate(shard, shard.stat().st_size - 8)
     assert verifier.model_dir(out) == ckpt.resolve()
-    write_safetensors_header(shard, shard_tensors(1, 1.0, "F16"))  # same size, another dtype
+    # same size, another dtype
+    write_safetensors_header(shard, shard_tensors(1, 1.0, "F16", shards=2))
     with pytest.raises(verifier.VerifierError, match="(?s)00002.safetensors: header_sha256.*dvc"):
         verifier.model_dir(out)
-    write_safetensors_header(shard, shard_tensors(1, 1.0))
+    write_safetensors_header(shard, shard_tensors(1, 1.0, shards=2))
     assert verifier.model_dir(out) == ckpt.resolve()
     cfg = (ckpt / "config.json").read_text()  # a same-size edit: only the hash tells
     (ckpt / "config.json").write_text(cfg.replace('"hidden_size": 1024', '"hidden_size": 2048'))

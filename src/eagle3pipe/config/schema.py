@@ -105,15 +105,22 @@ class VllmParams:
 
 @dataclass(frozen=True)
 class DatasetParams:
-    source: str | None = spec("JSONL of {messages: [...]}, or null for stdlib prompts")
-    num_samples: int = spec("conversations to keep (stdlib prompts) or read at most", min=1)
+    source: str | None = spec("a file of conversations inside conversations/ (.jsonl, .json, "
+                              ".parquet, .arrow) in dataset.format, or null for stdlib prompts")
+    format: str | None = spec("the source's rows: messages (OpenAI chat), sharegpt or mtbench; "
+                              "never guessed: required with a source, null without one",
+                              choices=("messages", "sharegpt", "mtbench"))
+    max_turns: int | None = spec("user turns answered per conversation, each one sample "
+                                 "(null: all)", min=1)
+    num_samples: int = spec("stdlib prompts to keep, or conversation rows to read at most",
+                            min=1)
     max_prompt_tokens: int = spec("prompt tokens kept per sample", min=1)
     max_new_tokens: int = spec("tokens the verifier regenerates per response", min=1)
     max_seq_len: int = spec("longest tokenized conversation", min=8)
     batch_size: int = spec("prompts per engine call; each call's replies are stored as it "
                            "finishes (a crash loses at most one call's)", min=1)
     eval_fraction: float = spec("share of samples held out for draft evaluation", min=0.0)
-    on_bad_input: str = spec("what a bad JSONL line does", choices=("skip", "error"))
+    on_bad_input: str = spec("what a bad conversation row does", choices=("skip", "error"))
     seed: int = spec("sampling/split seed", min=0)
     snippet_lines: list[int] = spec("source null: each stdlib snippet is a run of "
                                     "this many lines, drawn uniformly in [min, max]", length=2)

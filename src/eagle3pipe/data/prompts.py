@@ -1,9 +1,13 @@
-"""The smoke stage's evaluation prompts: the held-out stdlib snippets (`smoke.prompts: null`, one
-domain "stdlib"), or a JSONL of chat prompts under prompts/ (the directory is a DVC dep of the
-stage), one per line: {"messages": [{"role", "content"}, ...], "domain": "..."} (domain
-optional: "default"); the last turn is the user turn the verifier answers. Lines are read by the
-project's one JSON-line parser and its turn checks (eagle3pipe.data.samples), so a bad line is an
-error naming file:line, the params key and the fix.
+"""Chat prompts for the verifier. The smoke stage's evaluation prompts: the held-out stdlib
+snippets (`smoke.prompts: null`, one domain "stdlib"), or a JSONL of chat prompts under prompts/
+(the directory is a DVC dep of the stage), one per line: {"messages": [{"role", "content"},
+...], "domain": "..."} (domain optional: "default"); the last turn is the user turn the verifier
+answers. Lines are read by the project's one JSON-line parser and its turn checks
+(eagle3pipe.data.samples), so a bad line is an error naming file:line, the params key and the
+fix. The dataset stage's stdlib prompts (`dataset.source: null`), the chat templating and
+prompt fitting both dataset sources share, and path_inside: the one check that a params path
+lies in the folder its stage depends on (prompts/ for smoke.prompts, conversations/ for
+dataset.source). A conversation source is read by eagle3pipe.data.conversations.
 """
 from __future__ import annotations
 
@@ -16,9 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle3pipe.data import samples
-from eagle3pipe.data.samples import json_type, message_problem
-from eagle3pipe.data.samples import parse_line as parse_json_line
-from eagle3pipe.errors import Error, ParamsAt, Problem
+from eagle3pipe.errors import Error, ParamsAt
 from eagle3pipe.verifier import corpus
 
 PROMPTS_DIR = "prompts"  # a dep of the smoke stage in dvc.yaml: smoke.prompts must lie in it
@@ -71,23 +73,30 @@ def build_prompts(tok, s) -> list[list[int]]:
     return [chat_ids(tok, [{"role": "user", "content": text}]) for text in texts]
 
 
-def prompts_path(value: str, at: ParamsAt = ParamsAt()) -> Path:
-    """smoke.prompts as a path inside prompts/ (the stage's DVC dep, so that editing the file
-    reruns the stage); any other place is refused."""
-    fix = (f"put the file under {PROMPTS_DIR}/ (a dep of the smoke stage in dvc.yaml: DVC "
-           f"reruns the stage when it changes) and set smoke.prompts: {PROMPTS_DIR}/<name>.jsonl")
+def path_inside(value: str, folder: str, key: str, stage: str,
+                at: ParamsAt = ParamsAt()) -> Path:
+    """`value` (params `key`) as a relative path to a file inside `folder`, a DVC dep of `stage`
+    in dvc.yaml, so that editing the file reruns the stage; any other place, or no file, is
+    refused naming the key's line and the fix."""
+    fix = (f"put the file under {folder}/ (a dep of the {stage} stage in dvc.yaml: DVC reruns "
+           f"the stage when it changes) and set {key}: {folder}/<name>")
     rel = os.path.normpath(value)
     parts = Path(rel).parts
-    if os.path.isabs(value) or len(parts) < 2 or parts[0] != PROMPTS_DIR:
+    if os.path.isabs(value) or len(parts) < 2 or parts[0] != folder:
         raise PromptsError(problems=[at.problem(
-            "smoke.prompts", f"{value} is not inside {PROMPTS_DIR}/, so DVC would not rerun "
-            "the smoke stage when it changes", fix)])
+            key, f"{value} is not inside {folder}/, so DVC would not rerun the {stage} stage "
+            "when it changes", fix)])
     path = Path(rel)
     if not path.is_file():
         state = "is not a file" if path.exists() else "not found"
         raise PromptsError(problems=[at.problem(
-            "smoke.prompts", f"{path} {state} (relative to the project root)", fix)])
+            key, f"{path} {state} (relative to the project root)", fix)])
     return path
+
+
+def prompts_path(value: str, at: ParamsAt = ParamsAt()) -> Path:
+    """smoke.prompts as a path inside prompts/ (path_inside)."""
+    return path_inside(value, PROMPTS_DIR, "smoke.prompts", "smoke", at)
 
 
 def _prompt_problem(row: Any) -> tuple[str, str] | None:
@@ -159,60 +168,24 @@ def load(s, tok, at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The dataset stage's conversations (dataset.source)
-
-# Why an input line can be rejected; metrics report every reason, zeros included.
-REASONS = ("malformed_json", "missing_messages", "bad_message", "empty_conversation",
-           "no_user_turn", "too_long", "prompt_too_long")
-_FIX = {
-    "malformed_json": "make the line one complete JSON object",
-    "missing_messages": 'give the line a "messages" list: {"messages": [{"role": "user", '
-                        '"content": "..."}]}',
-    "bad_message": 'make every message an object with a "role" (system, user or assistant) '
-                   'and a string "content"',
-    "empty_conversation": "remove the line or add at least one user turn",
-    "no_user_turn": "add a user turn before the first assistant turn",
-    "too_long": "shorten the conversation or raise dataset.max_seq_len",
-    "prompt_too_long": "shorten the turns before the last user turn or raise "
-                       "dataset.max_prompt_tokens",
-}
+# Chat templating shared by the dataset stage
 
 
-class BadInputError(PromptsError):
-    def __init__(self, file: str, line: int, reason: str, detail: str):
-        self.file, self.line, self.reason, self.detail = file, line, reason, detail
-        super().__init__(problems=[Problem(
-            file, line, reason, detail, f"{_FIX[reason]} (or set dataset.on_bad_input: skip to "
-            "count and skip such lines)")])
-
-
-@dataclass
-class ReadReport:
-    source: str
-    read: int = 0
-    skipped_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
-    skipped_lines: dict[str, list[int]] = field(default_factory=dict)  # first few per reason
-
-    def skip(self, err: BadInputError) -> None:
-        self.skipped_by_reason[err.reason] += 1
-        lines = self.skipped_lines.setdefault(err.reason, [])
-        if len(lines) < 10:
-            lines.append(err.line)
-        if self.skipped_by_reason[err.reason] <= 3:
-            log.warning("skipping %s", str(err).splitlines()[0])
-
-
-def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
+                 tools: list | None = None) -> list[int]:
+    """Messages (and the OpenAI `tools` schema list, when given) through the verifier's chat
+    template, tokenized by it."""
+    out = tokenizer.apply_chat_template(messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt,
                                         tokenize=True, return_dict=True)
     return list(out["input_ids"])
 
 
-def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
-               ) -> tuple[list[dict], list[int], bool] | None:
+def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int, *,
+               tools: list | None = None) -> tuple[list[dict], list[int], bool] | None:
     """Chat-templated prompt ids (with the generation prompt), the last user turn cut from its
     end until they fit max_prompt_tokens. None when even an empty last user turn is too long."""
-    ids = template_ids(tokenizer, messages, add_generation_prompt=True)
+    ids = template_ids(tokenizer, messages, add_generation_prompt=True, tools=tools)
     if len(ids) <= max_prompt_tokens:
         return messages, ids, False
     last = max(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -222,7 +195,7 @@ def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
         keep = max(0, min(keep - 1, keep - (len(ids) - max_prompt_tokens)))
         cut = [dict(m) for m in messages]
         cut[last]["content"] = tokenizer.decode(content_ids[:keep], skip_special_tokens=False)
-        ids = template_ids(tokenizer, cut, add_generation_prompt=True)
+        ids = template_ids(tokenizer, cut, add_generation_prompt=True, tools=tools)
         if len(ids) <= max_prompt_tokens:
             return cut, ids, True
         if keep == 0:
@@ -230,17 +203,16 @@ def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int
 
 
 # ---------------------------------------------------------------------------------------------
-# Prompt sources
+# The dataset stage's stdlib prompts (dataset.source: null)
 
 
-def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> tuple[list[Prompt],
-                                                                             ReadReport]:
+def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> list[Prompt]:
+    """cfg.num_samples snippets of the corpus' "prompt" part, each one user turn fitted to
+    dataset.max_prompt_tokens."""
     snippets = snippets_of("prompt", cfg, cfg.num_samples)
-    report = ReadReport(source="stdlib:prompt")
     prompts = []
     for i, text in enumerate(tqdm(snippets, desc="dataset: prompts", disable=not progress,
                                   mininterval=1.0)):
-        report.read += 1
         fitted = fit_prompt(tokenizer, [{"role": "user", "content": text}],
                             cfg.max_prompt_tokens)
         if fitted is None:
@@ -249,87 +221,4 @@ def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> tuple[list[
                 "than the chat template's own tokens", fix="raise dataset.max_prompt_tokens")
         messages, ids, truncated = fitted
         prompts.append(Prompt(ids, f"stdlib-{i:06d}", messages, truncated=truncated))
-    return prompts, report
-
-
-def _parse_line(raw: bytes, file: str, lineno: int, cfg: Any, tokenizer) -> Prompt:
-    def bad(reason: str, detail: str) -> BadInputError:
-        return BadInputError(file, lineno, reason, detail)
-
-    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark: accepted
-        raw = raw[3:]
-    record, err = parse_json_line(raw)
-    if err:
-        raise bad("malformed_json", err)
-    if not isinstance(record, dict):
-        raise bad("missing_messages", f"the line is a JSON {json_type(record)}, not an "
-                                      'object {"messages": [...]}')
-    if "messages" not in record:
-        raise bad("missing_messages", f'no "messages" key (got {sorted(record)})')
-    messages = record["messages"]
-    if not isinstance(messages, list):
-        raise bad("missing_messages", f'"messages" must be a list, got a JSON '
-                                      f"{json_type(messages)}")
-    if not messages:
-        raise bad("empty_conversation", '"messages" is empty')
-    for j, m in enumerate(messages):
-        problem = message_problem(j, m)
-        if problem:
-            raise bad("bad_message", problem)
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    first_assistant = next((j for j, m in enumerate(messages) if m["role"] == "assistant"),
-                           len(messages))
-    prefix = messages[:first_assistant]
-    if not any(m["role"] == "user" for m in prefix):
-        raise bad("no_user_turn", "no user turn before the first assistant turn")
-    n_tokens = len(template_ids(tokenizer, messages, add_generation_prompt=False))
-    if n_tokens > cfg.max_seq_len:
-        raise bad("too_long", f"the conversation is {n_tokens} tokens, dataset.max_seq_len is "
-                              f"{cfg.max_seq_len}")
-    fitted = fit_prompt(tokenizer, prefix, cfg.max_prompt_tokens)
-    if fitted is None:
-        raise bad("prompt_too_long", "the turns before the last user turn alone exceed "
-                                     f"dataset.max_prompt_tokens ({cfg.max_prompt_tokens})")
-    kept, ids, truncated = fitted
-    return Prompt(ids, f"jsonl-{lineno:07d}", kept, truncated=truncated)
-
-
-def jsonl_prompts(path: str | Path, cfg: Any, tokenizer, *, progress: bool = True,
-                  at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], ReadReport]:
-    """Prompts from a JSONL of conversations: at most cfg.num_samples non-blank lines are read;
-    blank lines are ignored (their numbers still count). Bad lines raise BadInputError
-    (on_bad_input: error) or are counted by reason and skipped (skip). `at` locates the params
-    keys (StageView.params_at)."""
-    path = Path(path)
-    fix = ('point it at a JSONL file of {"messages": [...]} lines, or null for stdlib prompts')
-    if not path.is_file():
-        state = "is not a file" if path.exists() else "not found"
-        raise PromptsError(problems=[at.problem("dataset.source", f"{path} {state}", fix)])
-    report = ReadReport(source=str(path))
-    prompts: list[Prompt] = []
-    try:
-        fh = path.open("rb")
-    except OSError as e:
-        raise PromptsError(problems=[at.problem(
-            "dataset.source", f"{path}: cannot read it ({e.strerror})", fix)]) from None
-    with fh:
-        bar = tqdm(total=cfg.num_samples, desc="dataset: read", disable=not progress,
-                   mininterval=1.0)
-        for lineno, raw in enumerate(fh, start=1):
-            if report.read >= cfg.num_samples:
-                break
-            if not raw.strip():
-                continue
-            report.read += 1
-            bar.update(1)
-            try:
-                prompts.append(_parse_line(raw, str(path), lineno, cfg, tokenizer))
-            except BadInputError as err:
-                if cfg.on_bad_input == "error":
-                    raise
-                report.skip(err)
-        bar.close()
-    if report.read == 0:
-        raise PromptsError(f"{path}: no conversation in it (empty, or only blank lines); "
-                           f"dataset.source at {at.where('dataset.source')}", fix)
-    return prompts, report
+    return prompts

@@ -448,9 +448,11 @@ def test_two_hybrid_processes_share_one_bound_and_compute_each_sample_once(monke
     store.Store("hidden").path("x").unlink()
     monkeypatch.setenv(environment.STORE_MAX_BYTES, str(8 * one))
     stats, computed, plan = _hybrid_run(world=2, epochs=2, samples=8)
-    # each sample once in the whole run: a sample that epoch 2 gives the other rank is read from
-    # the store, where the rank that computed it in epoch 1 left it
+    # each sample once in the whole run, as `eagle3pipe plan` counts hybrid's forwards (every
+    # sample's tokens once: tools/plan.py modes_of): a sample that epoch 2 gives the other rank
+    # is read from the store, where the rank that computed it in epoch 1 left it
     assert len(computed) == len(set(computed)) == 8, computed
+    assert sum(map(len, computed)) == 8 * 3  # forwards in tokens: 8 samples of 3
     rank = [{k: n % 2 for n, pack in enumerate(plan[e * 4:e * 4 + 4]) for k in pack}
             for e in (0, 1)]
     moved = sum(rank[0][k] != rank[1][k] for k in rank[0])

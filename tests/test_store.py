@@ -152,3 +152,34 @@ def test_a_stage_refuses_an_output_that_cannot_fit_on_the_free_disk(repo):
     assert "estimate (CPU): vLLM TP1" in out  # the stage's estimate opens its log
     assert not (repo / "artifacts/dataset").exists() or digest(repo / "artifacts/dataset") == before
     sh(repo, "dvc", "checkout", "-q", "dataset")
+
+
+def test_a_conversation_source_is_content_addressed_turn_by_turn(repo):
+    """dataset.source in conversations/ (a DVC dep of the stage): an edit reruns the dataset
+    stage, which regenerates only the edited turn (the turns before it keep their prompts and
+    replies), and leaves the stages after it to rerun; reverting restores from the run-cache."""
+    src = repo / "conversations/chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"def f{i}(x):"},
+                          {"role": "assistant", "content": "the dataset's reply, dropped"},
+                          {"role": "user", "content": "and g?"}]} for i in range(3)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    set_param(repo, "dataset.source", "conversations/chat.jsonl")
+    set_param(repo, "dataset.format", "messages")
+    try:
+        assert repro(repo, "dataset") == {"dataset"}
+        assert (counts(repo, "dataset")["computed"], counts(repo, "dataset")["reused"]) == (6, 0)
+        first, original = digest(repo / "artifacts/dataset"), src.read_text()
+        rows[1]["messages"][2]["content"] = "and h?"  # conversation 2, its second user turn
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        status = sh(repo, "dvc", "status", "dataset").stdout
+        assert "conversations" in status and "modified" in status, status
+        assert repro(repo, "dataset") == {"dataset"}
+        assert (counts(repo, "dataset")["computed"], counts(repo, "dataset")["reused"]) == (1, 5)
+        assert "extract" in sh(repo, "dvc", "status").stdout  # what follows reruns next
+        src.write_text(original)
+        assert repro(repo, "dataset") == set()  # the run-cache: nothing executed
+        assert digest(repo / "artifacts/dataset") == first
+    finally:
+        src.unlink(missing_ok=True)
+        sh(repo, "git", "checkout", "--", ".")
+        repro(repo, "dataset")

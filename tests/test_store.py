@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3pipe.data.store import Store
 from helpers.pipeline import (FAULT_TAG, digest, env, get_param, kill_group, repro, set_param,
                               sh, start, wait_for)
 
@@ -25,7 +26,8 @@ def counts(repo: Path, stage: str) -> dict:
 
 
 def entries(repo: Path, kind: str) -> list[Path]:
-    return sorted((repo / ".eagle3pipe/data/store" / kind).glob("??/*"))
+    """The finished entries: a writer's claim or temporary file beside them is not one."""
+    return Store(kind, repo / ".eagle3pipe/data/store").entries()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from eagle3pipe.data import prompts as prompt_src
 from eagle3pipe.data.conversations import ConversationsError
 from eagle3pipe.errors import ParamsAt
 from eagle3pipe.stages.dataset.run import DatasetError
+from eagle3pipe.verifier.handle import Verifier
 
 from helpers.malformed import (GOOD, GOOD_LINE, JSONL_KEY_OF, MALFORMED_JSONL,
                                MALFORMED_JSONL_FILES, MALFORMED_SAMPLES, SAMPLE, USER)
@@ -29,7 +30,8 @@ END = "<|end|>"
 
 
 def cfg(**kw):
-    base = dict(source=None, format=None, max_turns=None, num_samples=5, max_prompt_tokens=40,
+    base = dict(source=None, format=None, max_turns=None, chat_template_kwargs={},
+                num_samples=5, max_prompt_tokens=40,
                 max_new_tokens=12,
                 max_seq_len=96, batch_size=2, eval_fraction=0.2, on_bad_input="skip", seed=0,
                 snippet_lines=[4, 12], snippet_max_chars=600)
@@ -68,8 +70,8 @@ def check_masks(samples, tokenizer):
         assert masked == s["messages"][-1]["content"] + END
         assert ids[-1] == tokenizer.convert_tokens_to_ids(END)
         assert ids[-2] != ids[-1]  # the closing token is never doubled
-        assert ids[:n_prompt] == prompt_src.template_ids(tokenizer, s["messages"][:-1],
-                                                      add_generation_prompt=True)
+        assert ids[:n_prompt] == prompt_src.template_ids(
+            tokenizer, s["messages"][:-1], add_generation_prompt=True, template_kwargs={})
 
 
 @pytest.mark.integration
@@ -197,7 +199,7 @@ def test_each_user_turn_is_one_sample_answered_with_the_verifiers_own_history(
     assert third["messages"][5] == THREE[5]
     # the first reply's tokens as generated are in sample 1; later samples re-render its text
     assert first["input_ids"][:first["loss_mask"].index(1)] == prompt_src.template_ids(
-        tokenizer, first["messages"][:-1], add_generation_prompt=True)
+        tokenizer, first["messages"][:-1], add_generation_prompt=True, template_kwargs={})
     train = {s["id"] for s in dataset.read_jsonl(out / "train.jsonl")}
     assert set(ids) <= train or not set(ids) & train  # one conversation, one split
     assert metrics["train"] + metrics["eval"] == 4 and metrics["eval"] >= 1
@@ -207,6 +209,69 @@ def test_each_user_turn_is_one_sample_answered_with_the_verifiers_own_history(
                           tmp_path / "short", progress=False)
     assert short["conversations_stopped_at_prompt_limit"] == 1 and short["kept"] == 2
     assert short["samples"] == sum(short["turns_by_depth"].values()) < 4
+
+
+# a reasoning verifier's template, as Qwen3's: enable_thinking primes "<think>" after the
+# generation prompt (the reply is reasoning until it closes the block), false writes an empty
+# block; earlier replies keep only what follows their "</think>"
+REASONING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>\n{{ m['content'] }}<|end|>\n"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>\n"
+    "{{ m['content'].split('</think>')[-1] }}<|end|>\n"
+    "{% elif m['role'] == 'system' %}{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.mark.integration
+def test_chat_template_kwargs_reach_every_turn_and_generated_reasoning_is_supervised(
+        micro_verifier_copy, tokenizer, tmp_path):
+    """dataset.chat_template_kwargs reach the template at every depth: thinking on, each
+    prompt ends in the template's priming "<think>" (prompt, not supervised) and every reply
+    token is reasoning (supervised, counted); thinking off, the template's empty think block is
+    prompt and no reply token is reasoning. The two settings are different store entries."""
+    (micro_verifier_copy / "chat_template.jinja").write_text(REASONING_TEMPLATE)
+    f = write(tmp_path / "conversations/chat.jsonl",
+              [{"messages": THREE}, {"messages": [{"role": "user", "content": "x = 1"}]}])
+    tok = Verifier(micro_verifier_copy).tokenizer()
+    runs = {}
+    for on in (True, False):
+        out = tmp_path / f"thinking-{on}"
+        m = dataset.build(conv_cfg(f, chat_template_kwargs={"enable_thinking": on},
+                                   max_prompt_tokens=120, max_seq_len=160),
+                          engine_settings(), micro_verifier_copy, out, progress=False,
+                          record_to=tmp_path / f"counts-{on}.json")
+        assert counts(tmp_path / f"counts-{on}.json")["computed"] == m["samples"] == 4
+        runs[on] = m, samples_of(out)
+    for on, (m, samples) in runs.items():
+        reasoning = 0
+        for s in samples:
+            n = s["loss_mask"].index(1)
+            assert s["input_ids"][:n] == prompt_src.template_ids(
+                tok, s["messages"][:-1], add_generation_prompt=True,
+                template_kwargs={"enable_thinking": on})
+            prompt = tok.decode(s["input_ids"][:n], skip_special_tokens=False)
+            assert prompt.endswith("<think>\n" if on else "<think>\n\n</think>\n\n")
+            assert "</think>" not in s["messages"][-1]["content"]  # never closed here
+            reasoning += sum(s["loss_mask"]) - 1  # all but the closing token
+        assert m["reasoning_tokens"] == (reasoning if on else 0) and reasoning > 0
+        assert m["reasoning_tags"] == ["<think>", "</think>"]
+
+
+def test_reasoning_tokens_are_the_reply_tokens_inside_a_think_block(tokenizer):
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    think, plain = ids("<|assistant|>\n<think>\n"), ids("<|assistant|>\n")
+    body, close, after = ids("abc def"), ids("</think>"), ids(" xyz")
+    assert turns.reasoning_tokens(tokenizer, think, body + close + after) == len(body)
+    assert turns.reasoning_tokens(tokenizer, plain, body + close + after) == 0
+    assert turns.reasoning_tokens(tokenizer, plain, ids("<think>") + body) == len(body)
+    empty = ids("<|assistant|>\n<think>\n\n</think>\n\n")
+    assert turns.reasoning_tokens(tokenizer, empty, body) == 0
 
 
 @pytest.mark.integration
@@ -292,7 +357,8 @@ def test_bad_rows_skipped_counted_and_reported(micro_verifier, tokenizer, tmp_pa
     tool = samples[f"{f}:6#1"]  # cut at its tool call, rendered with its tools schema
     n = tool["loss_mask"].index(1)
     assert tool["input_ids"][:n] == prompt_src.template_ids(
-        tokenizer, tool["messages"][:-1], add_generation_prompt=True, tools=tooled["tools"])
+        tokenizer, tool["messages"][:-1], add_generation_prompt=True, template_kwargs={},
+        tools=tooled["tools"])
 
 
 def test_all_rows_bad_is_a_clear_error(micro_verifier, tmp_path):
@@ -505,9 +571,10 @@ def test_settings_that_cannot_fit_are_refused(micro_verifier, tmp_path):
 
 def test_assemble_closed_and_cut_replies(tokenizer):
     end = tokenizer.convert_tokens_to_ids(END)
-    assert dataset.closing_token_id(tokenizer) == end
+    assert dataset.closing_token_id(tokenizer, {}) == end
     msgs = [{"role": "user", "content": "def f():"}]
-    p = prompt_src.Prompt(prompt_src.template_ids(tokenizer, msgs, add_generation_prompt=True),
+    p = prompt_src.Prompt(prompt_src.template_ids(tokenizer, msgs, add_generation_prompt=True,
+                                                   template_kwargs={}),
                           "x", msgs)
     body = tokenizer("x = f(1)", add_special_tokens=False)["input_ids"]
     closed = dataset.assemble(p, body + [end], tokenizer, end)
@@ -519,8 +586,8 @@ def test_assemble_closed_and_cut_replies(tokenizer):
     # here the sample equals the chat template's tokenization of its messages; a reply that
     # starts with whitespace would not (BPE merges the generation prompt's "\n" with it), and
     # input_ids keep the tokens the verifier really saw and produced
-    assert closed["input_ids"] == prompt_src.template_ids(tokenizer, closed["messages"],
-                                                       add_generation_prompt=False)
+    assert closed["input_ids"] == prompt_src.template_ids(
+        tokenizer, closed["messages"], add_generation_prompt=False, template_kwargs={})
 
 
 def test_split_is_deterministic_and_stable():

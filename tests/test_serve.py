@@ -102,6 +102,25 @@ def test_vllms_own_parser_reads_the_recipe_flags_as_its_engine_args(tmp_path):
         assert {k: ns[k] for k in r["engine_args"]} == r["engine_args"], fmt
 
 
+def test_chat_template_kwargs_reach_the_server_as_its_default(tmp_path):
+    """dataset.chat_template_kwargs is the server's --default-chat-template-kwargs (vLLM's own
+    parser reads it back); {} adds no flag and no field, vLLM's default."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    kwargs = {"enable_thinking": False, "reasoning_effort": "low"}
+    configs = render(tmp_path, **{"dataset.chat_template_kwargs": kwargs})
+    for fmt in serving.FORMATS:
+        r = json.loads((configs / f"serve/{fmt}.json").read_text())
+        assert r["frontend_args"] == {"default_chat_template_kwargs": kwargs}
+        assert vars(parser.parse_args(r["argv"]))["default_chat_template_kwargs"] == kwargs
+    (tmp_path / "plain").mkdir()
+    plain = json.loads((render(tmp_path / "plain") / "serve/vllm.json").read_text())
+    assert "frontend_args" not in plain and "--default-chat-template-kwargs" not in plain["argv"]
+    assert vars(parser.parse_args(plain["argv"]))["default_chat_template_kwargs"] is None
+
+
 # ---------------------------------------------------------------------------------------------
 # eagle3pipe serve refuses before starting anything
 

@@ -219,7 +219,7 @@ def test_bad_prompt_line_names_file_line_and_fix(micro_verifier, tmp_path, what,
     raw = line if isinstance(line, bytes) else line.encode()
     path.write_bytes(_line(USER, domain="ok").encode() + b"\n\n" + raw + b"\n")
     with pytest.raises(prompts.PromptsError) as e:
-        prompts.read_prompts(path, _tokenizer(micro_verifier), 10,
+        prompts.read_prompts(path, _tokenizer(micro_verifier), 10, {},
                              ParamsAt("params.yaml", {"smoke.prompts": 7}))
     msg = str(e.value)
     assert msg.startswith(f"{path}:3: ") and re.search(message, msg), msg
@@ -232,14 +232,14 @@ def test_prompts_file_domains_limit_and_bom(micro_verifier, tmp_path):
         _line(USER, domain="code"), "", _line([{"role": "system", "content": "be brief"},
                                               *USER]),
         _line(USER, domain="code"), _line(USER, domain="never read")]).encode())
-    got = prompts.read_prompts(path, _tokenizer(micro_verifier), 3)
+    got = prompts.read_prompts(path, _tokenizer(micro_verifier), 3, {})
     assert [(p.domain, p.source) for p in got] == [
         ("code", f"{path}:1"), ("default", f"{path}:3"), ("code", f"{path}:4")]
     assert len(got[1].ids) > len(got[0].ids)  # the system turn is in the prompt
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     with pytest.raises(prompts.PromptsError, match=r"empty.jsonl: no prompt in it"):
-        prompts.read_prompts(empty, _tokenizer(micro_verifier), 3)
+        prompts.read_prompts(empty, _tokenizer(micro_verifier), 3, {})
 
 
 def test_prompts_must_lie_in_the_stages_dvc_dep(tmp_path, monkeypatch):
@@ -387,7 +387,7 @@ def test_stage_fails_before_any_engine_on_a_broken_export(micro_verifier, tmp_pa
                               batch1_prompts=1, agreement_prompts=2, max_train_serve_gap=0.1)
     dataset, train_metrics = _agreement_inputs(tmp_path, micro_verifier, [1.0] * K)
     with pytest.raises(smoke_inputs.SmokeError) as e:
-        smoke.measure(s, engine_settings(), export_dir=tmp_path / "export",
+        smoke.measure(s, engine_settings(), template_kwargs={}, export_dir=tmp_path / "export",
                       verifier_dir=micro_verifier, dataset_dir=dataset,
                       train_metrics=train_metrics, plots_path=tmp_path / "p.json")
     msg = str(e.value)
@@ -471,7 +471,7 @@ def _agreement_inputs(tmp_path: Path, verifier: Path, trained: list[float],
     tok = _tokenizer(verifier)
     rows = []
     for i in range(n):
-        ids = prompts.chat_ids(tok, [{"role": "user", "content": f"def f{i}(x):"}])
+        ids = prompts.chat_ids(tok, [{"role": "user", "content": f"def f{i}(x):"}], {})
         rows.append({"id": f"t-{i}", "input_ids": ids + [0] * MAX_TOKENS,
                      "loss_mask": [0] * len(ids) + [1] * MAX_TOKENS, "messages": []})
     (tmp_path / "dataset").mkdir(exist_ok=True)

@@ -63,11 +63,11 @@ def _check_scalar(value: Any, tp: Any, meta: dict) -> tuple[Any, str | None, str
     elif tp is str:
         if not isinstance(value, str):
             return value, f"expected a string, got {value!r}", "quote the value"
-    elif tp is dict:  # the one mapping-valued key: draft.rope_scaling
+    elif tp is dict:  # mapping-valued keys, each checked by what it holds (spec's mapping=)
         if not isinstance(value, dict):
-            return value, f"expected a mapping, got {value!r}", "write a mapping or null"
+            return value, f"expected a mapping, got {value!r}", "write a mapping"
         value = json.loads(json.dumps(dict(value)))
-        err, fix = _rope_problem(value)
+        err, fix = MAPPING_CHECKS[meta["mapping"]](value)
         return value, err, fix
     if meta.get("choices") and value not in meta["choices"]:
         return value, f"{value!r} is not one of {list(meta['choices'])}", \
@@ -110,6 +110,22 @@ def _rope_problem(rope: dict) -> tuple[str | None, str]:
             return f"{k} must be a finite number (or list of numbers), got {v!r}", \
                 "write finite numbers"
     return None, ""
+
+
+def _template_kwargs_problem(kwargs: dict) -> tuple[str | None, str]:
+    """(what is wrong, the fix) with chat-template arguments, or (None, ""): names as the
+    template reads them, values JSON as vLLM's chat_template_kwargs field takes them."""
+    for k, v in kwargs.items():
+        if not str(k).isidentifier():
+            return (f"argument name {k!r} is not a name a Jinja template can read",
+                    "use the name the chat template reads, e.g. enable_thinking")
+        if v is None:
+            return (f"argument {k} is null: a template cannot tell it from absent",
+                    f"give {k} a value or leave it out")
+    return None, ""
+
+
+MAPPING_CHECKS = {"rope_scaling": _rope_problem, "template_kwargs": _template_kwargs_problem}
 
 
 def _validate(cls: type, node: Any, prefix: str, file: str, problems: list[Problem],

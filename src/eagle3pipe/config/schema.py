@@ -11,9 +11,11 @@ from typing import Any
 
 def spec(help: str, *, min: float | None = None, choices: tuple | None = None,
          even: bool = False, length: int | None = None, positive_items: bool = False,
-         default: Any = dataclasses.MISSING) -> Any:
+         mapping: str | None = None, default: Any = dataclasses.MISSING) -> Any:
+    """A key's help and constraints; `mapping` names what a mapping-valued key holds
+    ("rope_scaling" or "template_kwargs": eagle3pipe.config.params.MAPPING_CHECKS)."""
     meta = dict(help=help, min=min, choices=choices, even=even, length=length,
-                positive_items=positive_items)
+                positive_items=positive_items, mapping=mapping)
     return field(default=default, metadata=meta)
 
 
@@ -69,7 +71,7 @@ class DraftParams:
                            "llama_eagle3.py / qwen3_eagle3.py)", choices=("llama", "qwen3"))
     rope_theta: float = spec("draft rope base (published drafts differ from their verifier)",
                              min=1.0)
-    rope_scaling: dict | None = spec("rope scaling dict, or null")
+    rope_scaling: dict | None = spec("rope scaling dict, or null", mapping="rope_scaling")
     rms_norm_eps: float = spec("draft RMSNorm epsilon", min=0.0)
     max_position_embeddings: int = spec("draft max positions", min=16)
     hidden_act: str = spec("MLP activation", choices=("silu",))
@@ -112,6 +114,10 @@ class DatasetParams:
                               choices=("messages", "sharegpt", "mtbench"))
     max_turns: int | None = spec("user turns answered per conversation, each one sample "
                                  "(null: all)", min=1)
+    chat_template_kwargs: dict = spec(
+        "extra arguments to the verifier's chat template (vLLM's chat_template_kwargs, e.g. "
+        "enable_thinking): the same in the dataset stage, the smoke stage and the serving "
+        "recipe; {} for none", mapping="template_kwargs")
     num_samples: int = spec("stdlib prompts to keep, or conversation rows to read at most",
                             min=1)
     max_prompt_tokens: int = spec("prompt tokens kept per sample", min=1)

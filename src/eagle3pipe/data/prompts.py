@@ -56,21 +56,23 @@ def snippets_of(part: str, section, n: int) -> list[str]:
                            max_chars=section.snippet_max_chars)
 
 
-def chat_ids(tok, messages: list[dict]) -> list[int]:
-    """Messages formatted with the verifier's chat template (add_generation_prompt=True) and
-    tokenized once, so vLLM adds no second BOS."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_ids(tok, messages: list[dict], template_kwargs: dict) -> list[int]:
+    """Messages formatted with the verifier's chat template (add_generation_prompt=True,
+    dataset.chat_template_kwargs) and tokenized once, so vLLM adds no second BOS."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                   **template_kwargs)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def build_prompts(tok, s) -> list[list[int]]:
+def build_prompts(tok, s, template_kwargs: dict) -> list[list[int]]:
     """Held-out corpus snippets as user turns, tokenized with the chat template (`s`: the
     params' smoke section)."""
     try:
         texts = snippets_of("heldout", s, s.num_prompts)
     except RuntimeError as e:
         raise PromptsError(f"smoke.num_prompts: {e}") from None
-    return [chat_ids(tok, [{"role": "user", "content": text}]) for text in texts]
+    return [chat_ids(tok, [{"role": "user", "content": text}], template_kwargs)
+            for text in texts]
 
 
 def path_inside(value: str, folder: str, key: str, stage: str,
@@ -125,7 +127,8 @@ def _prompt_problem(row: Any) -> tuple[str, str] | None:
     return None
 
 
-def read_prompts(path: Path, tok, limit: int, at: ParamsAt = ParamsAt()) -> list[Prompt]:
+def read_prompts(path: Path, tok, limit: int, template_kwargs: dict,
+                 at: ParamsAt = ParamsAt()) -> list[Prompt]:
     """The first `limit` prompts of a JSONL of chat prompts; a bad line is an error naming
     file:line, the fix and the params key. The JSON of each line is read by the project's one
     JSON-line parser (samples.parse_line) and its turns by samples.message_problem."""
@@ -149,7 +152,7 @@ def read_prompts(path: Path, tok, limit: int, at: ParamsAt = ParamsAt()) -> list
             if problem:
                 raise PromptsError(f"{path}:{lineno}: {problem[0]} ({key})", fix=problem[1])
             messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-            out.append(Prompt(chat_ids(tok, messages), f"{path}:{lineno}",
+            out.append(Prompt(chat_ids(tok, messages, template_kwargs), f"{path}:{lineno}",
                               domain=row.get("domain", DEFAULT_DOMAIN)))
     if not out:
         raise PromptsError(f"{path}: no prompt in it (empty, or only blank lines; {key})",
@@ -157,14 +160,15 @@ def read_prompts(path: Path, tok, limit: int, at: ParamsAt = ParamsAt()) -> list
     return out
 
 
-def load(s, tok, at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], str]:
-    """The prompts of the params' `smoke` section and where they came from."""
+def load(s, tok, template_kwargs: dict, at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], str]:
+    """The prompts of the params' `smoke` section, rendered with dataset.chat_template_kwargs
+    (`template_kwargs`), and where they came from."""
     if s.prompts is None:
         return [Prompt(ids, f"stdlib held-out prompt {i}", domain=STDLIB_DOMAIN)
-                for i, ids in enumerate(build_prompts(tok, s))], \
+                for i, ids in enumerate(build_prompts(tok, s, template_kwargs))], \
             STDLIB_SOURCE
     path = prompts_path(s.prompts, at)
-    return read_prompts(path, tok, s.num_prompts, at), str(path)
+    return read_prompts(path, tok, s.num_prompts, template_kwargs, at), str(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,20 +176,22 @@ def load(s, tok, at: ParamsAt = ParamsAt()) -> tuple[list[Prompt], str]:
 
 
 def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
-                 tools: list | None = None) -> list[int]:
+                 template_kwargs: dict, tools: list | None = None) -> list[int]:
     """Messages (and the OpenAI `tools` schema list, when given) through the verifier's chat
-    template, tokenized by it."""
+    template with dataset.chat_template_kwargs (`template_kwargs`), tokenized by it."""
     out = tokenizer.apply_chat_template(messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=True)
+                                        tokenize=True, return_dict=True, **template_kwargs)
     return list(out["input_ids"])
 
 
 def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int, *,
+               template_kwargs: dict,
                tools: list | None = None) -> tuple[list[dict], list[int], bool] | None:
     """Chat-templated prompt ids (with the generation prompt), the last user turn cut from its
     end until they fit max_prompt_tokens. None when even an empty last user turn is too long."""
-    ids = template_ids(tokenizer, messages, add_generation_prompt=True, tools=tools)
+    ids = template_ids(tokenizer, messages, add_generation_prompt=True,
+                       template_kwargs=template_kwargs, tools=tools)
     if len(ids) <= max_prompt_tokens:
         return messages, ids, False
     last = max(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -195,7 +201,8 @@ def fit_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int, *,
         keep = max(0, min(keep - 1, keep - (len(ids) - max_prompt_tokens)))
         cut = [dict(m) for m in messages]
         cut[last]["content"] = tokenizer.decode(content_ids[:keep], skip_special_tokens=False)
-        ids = template_ids(tokenizer, cut, add_generation_prompt=True, tools=tools)
+        ids = template_ids(tokenizer, cut, add_generation_prompt=True,
+                           template_kwargs=template_kwargs, tools=tools)
         if len(ids) <= max_prompt_tokens:
             return cut, ids, True
         if keep == 0:
@@ -214,7 +221,7 @@ def stdlib_prompts(cfg: Any, tokenizer, *, progress: bool = True) -> list[Prompt
     for i, text in enumerate(tqdm(snippets, desc="dataset: prompts", disable=not progress,
                                   mininterval=1.0)):
         fitted = fit_prompt(tokenizer, [{"role": "user", "content": text}],
-                            cfg.max_prompt_tokens)
+                            cfg.max_prompt_tokens, template_kwargs=cfg.chat_template_kwargs)
         if fitted is None:
             raise PromptsError(
                 f"params.yaml: dataset.max_prompt_tokens ({cfg.max_prompt_tokens}) is shorter "

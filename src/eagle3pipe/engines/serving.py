@@ -8,7 +8,10 @@ the same exports and the same engine arguments as the smoke stage measured.
   settings (the smoke stage's engines, with vLLM's counters on) with the smoke stage's
   speculative_config {"method": "eagle3", "model": <export>, "num_speculative_tokens": k},
   `argv` the same as vLLM's command-line flags (`python -m vllm.entrypoints.openai.api_server ARGV`),
-  `environment` the CPU backend's variables from the settings (engine.ENV).
+  `environment` the CPU backend's variables from the settings (engine.ENV). A non-empty
+  dataset.chat_template_kwargs is the server's `default_chat_template_kwargs` (vLLM's
+  FrontendArgs, vllm/entrypoints/launchers/cli_args.py): every chat request is rendered with
+  the template arguments the dataset stage trained on; `{}` adds nothing (vLLM's default).
 - `serve/sglang.json`: SGLang's EAGLE-3 flags for the flat export (`python -m
   sglang.launch_server ARGV`): a chain of k draft tokens as vLLM runs it (num_steps = k,
   eagle_topk = 1, num_draft_tokens = k + 1), and the engine settings SGLang has a flag for.
@@ -76,14 +79,16 @@ def cli_args(engine_args: dict[str, Any]) -> list[str]:
 
 
 def vllm_recipe(fmt: str, settings: dict[str, Any], verifier_path: str | None,
-                k: int) -> dict[str, Any]:
+                k: int, template_kwargs: dict[str, Any]) -> dict[str, Any]:
     spec = speculative_config(fmt, k)
     args = dict(sorted(engine.engine_kwargs(settings, verifier_model(verifier_path),
                                             speculative_config=spec, stats=True).items()))
-    return {"format": fmt, "draft": export_path(fmt), "num_speculative_tokens": k,
-            "engine_args": args,
-            "environment": {var: str(settings[key]) for key, var in engine.ENV.items()},
-            "command": list(VLLM_SERVER), "argv": cli_args(args)}
+    front = {"default_chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}
+    out = {"format": fmt, "draft": export_path(fmt), "num_speculative_tokens": k,
+           "engine_args": args,
+           "environment": {var: str(settings[key]) for key, var in engine.ENV.items()},
+           "command": list(VLLM_SERVER), "argv": cli_args(args) + cli_args(front)}
+    return out | ({"frontend_args": front} if front else {})
 
 
 def sglang_recipe(settings: dict[str, Any], verifier_path: str | None, k: int) -> dict[str, Any]:
@@ -100,26 +105,30 @@ def sglang_recipe(settings: dict[str, Any], verifier_path: str | None, k: int) -
             "num_speculative_tokens": k, "command": list(SGLANG_SERVER), "argv": argv}
 
 
-def render(vllm_section: Any, verifier_path: str | None, k: int) -> dict[str, dict]:
+def render(vllm_section: Any, verifier_path: str | None, k: int,
+           template_kwargs: dict[str, Any]) -> dict[str, dict]:
     """{configs/-relative path: recipe} from the `vllm:` section (engine.settings_of),
-    verifier.path and draft.num_speculative_tokens."""
+    verifier.path, draft.num_speculative_tokens and dataset.chat_template_kwargs."""
     settings = engine.settings_of(vllm_section)
-    out = {f"serve/{fmt}.json": vllm_recipe(fmt, settings, verifier_path, k) for fmt in FORMATS}
+    out = {f"serve/{fmt}.json": vllm_recipe(fmt, settings, verifier_path, k, template_kwargs)
+           for fmt in FORMATS}
     out["serve/sglang.json"] = sglang_recipe(settings, verifier_path, k)
     assert tuple(out) == FILES
     return out
 
 
-def render_files(vllm_section: Any, verifier_path: str | None, k: int) -> dict[str, str]:
-    """render()'s recipes as file texts (the one JSON style of every generated file)."""
-    return {rel: dumps(obj) for rel, obj in render(vllm_section, verifier_path, k).items()}
+def render_files(p: Any) -> dict[str, str]:
+    """render()'s recipes for params `p` (its vllm, verifier.path, draft.num_speculative_tokens,
+    dataset.chat_template_kwargs) as file texts (the one JSON style of every generated file)."""
+    recipes = render(p.vllm, p.verifier.path, p.draft.num_speculative_tokens,
+                     p.dataset.chat_template_kwargs)
+    return {rel: dumps(obj) for rel, obj in recipes.items()}
 
 
-def render_into(out_dir: str | Path, vllm_section: Any, verifier_path: str | None,
-                k: int) -> dict[Path, str]:
-    """render_files() written under out_dir as formats.write does (atomic, unchanged bytes
+def render_into(out_dir: str | Path, p: Any) -> dict[Path, str]:
+    """render_files(p) written under out_dir as formats.write does (atomic, unchanged bytes
     untouched): {path: "written" or "unchanged"}."""
-    files = render_files(vllm_section, verifier_path, k)
+    files = render_files(p)
     changed = set(formats.write(files, out_dir))
     return {Path(out_dir) / rel: "written" if Path(out_dir) / rel in changed else "unchanged"
             for rel in files}

@@ -33,8 +33,7 @@ def cmd_render(args) -> int:
     p, vcfg = _load(args)
     states = configs.render_into(args.out, p.draft, p.verifier.path, vcfg,
                                  params_file=args.params, lines=params.lines_of(p))
-    states |= serving.render_into(args.out, p.vllm, p.verifier.path,
-                                  p.draft.num_speculative_tokens)
+    states |= serving.render_into(args.out, p)
     for path, state in states.items():
         print(f"{path}: {state}")
     return EXIT_OK
@@ -66,7 +65,7 @@ def cmd_check(args) -> int:
     arch = derive(p.draft, info, params_file=args.params, lines=lines)
     files = configs.render_files(p.draft, p.verifier.path, vcfg, params_file=args.params,
                                  lines=lines)
-    files |= serving.render_files(p.vllm, p.verifier.path, p.draft.num_speculative_tokens)
+    files |= serving.render_files(p)
     print(f"params: {args.params} valid; verifier config {vcfg}")
     if not args.no_configs:
         found = check.check_rendered(files, args.configs)

@@ -53,8 +53,7 @@ def recipe(params_file: str, configs_dir: str | Path, fmt: str) -> dict:
     """configs/serve/<fmt>.json, refused when it is missing or not what params.yaml renders."""
     p = P.load(params_file)
     rel = f"serve/{fmt}.json"
-    expected = serving.render_files(p.vllm, p.verifier.path,
-                                    p.draft.num_speculative_tokens)[rel]
+    expected = serving.render_files(p)[rel]
     problems = check.check_rendered({rel: expected}, configs_dir)
     if problems:
         raise ServeError(problems[0], fix=RENDER_FIX)

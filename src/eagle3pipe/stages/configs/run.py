@@ -54,7 +54,6 @@ def run(params: StageView, paths: Paths) -> None:
     not touched."""
     states = render_into(paths.out, params.draft, params.verifier.path, paths.verifier,
                          params_file=params.params_file, lines=params.key_lines)
-    states |= serving.render_into(paths.out, params.vllm, params.verifier.path,
-                                  params.draft.num_speculative_tokens)
+    states |= serving.render_into(paths.out, params)
     for path, state in states.items():
         logging.getLogger("eagle3pipe.stages.configs").info("%s %s", path, state)

@@ -63,14 +63,15 @@ class DatasetError(Error, ValueError):
 # The verifier
 
 
-def closing_token_id(tokenizer) -> int:
-    """The token the chat template writes right after an assistant reply (<|end|>, <|im_end|>,
-    <|eot_id|>...); the tokenizer's eos when the template writes no special token there."""
+def closing_token_id(tokenizer, template_kwargs: dict) -> int:
+    """The token the chat template (with dataset.chat_template_kwargs) writes right after an
+    assistant reply (<|end|>, <|im_end|>, <|eot_id|>...); the tokenizer's eos when the template
+    writes no special token there."""
     sentinel = "\x00eagle3pipe-reply\x00"
     try:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "x"}, {"role": "assistant", "content": sentinel}],
-            tokenize=False)
+            tokenize=False, **template_kwargs)
         after = text.split(sentinel, 1)[1]
         ids = tokenizer(after, add_special_tokens=False)["input_ids"]
         if ids and ids[0] in set(tokenizer.all_special_ids):
@@ -175,7 +176,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tokenizer = v.tokenizer()
     check_settings(cfg, v, at)
-    closer = closing_token_id(tokenizer)
+    closer = closing_token_id(tokenizer, cfg.chat_template_kwargs)
     log.info("dataset.source %s, format %s, max_turns %s", cfg.source, cfg.format,
              cfg.max_turns)
     if cfg.source is None and (cfg.format, cfg.max_turns) != (None, None):

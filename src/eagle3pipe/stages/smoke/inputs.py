@@ -118,8 +118,8 @@ class Inputs:
         return out
 
 
-def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | Path,
-                at: ParamsAt = ParamsAt()) -> Inputs:
+def read_inputs(s, settings: dict, template_kwargs: dict, export_dir: str | Path,
+                verifier_dir: str | Path, at: ParamsAt = ParamsAt()) -> Inputs:
     """The exports, k, the sweep, the verifier and the tokenized prompts; vllm.max_model_len
     must fit the longest prompt, its generation and one speculative step past it."""
     exports = export_dirs(export_dir)
@@ -128,7 +128,7 @@ def read_inputs(s, settings: dict, export_dir: str | Path, verifier_dir: str | P
     # fails fast on a vanished or changed external checkpoint
     v = Verifier(verifier_dir, trust_remote_code=settings["trust_remote_code"])
     tok = v.tokenizer()
-    ps, source = prompts.load(s, tok, at)
+    ps, source = prompts.load(s, tok, template_kwargs, at)
     longest = max(ps, key=lambda p: len(p.ids))
     kmax = max([k, *sweep])
     log.info("verifier %s, k=%d%s, %d prompts from %s in %d domain(s) (longest %d tokens), "

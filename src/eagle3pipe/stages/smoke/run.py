@@ -240,19 +240,20 @@ class Outputs:
                    plots.parent / K_ACCEPTANCE_NAME, plots.parent / K_SPEEDUP_NAME)
 
 
-def measure(s, settings: dict, *, export_dir: str | Path, verifier_dir: str | Path,
-            dataset_dir: str | Path, train_metrics: str | Path, plots_path: str | Path,
-            outputs: Outputs | None = None, progress: bool = True,
+def measure(s, settings: dict, *, template_kwargs: dict, export_dir: str | Path,
+            verifier_dir: str | Path, dataset_dir: str | Path, train_metrics: str | Path,
+            plots_path: str | Path, outputs: Outputs | None = None, progress: bool = True,
             at: ParamsAt = ParamsAt()) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
-    (engine.settings_of), `dataset_dir` and `train_metrics` the dataset stage's output and the
+    (engine.settings_of), `template_kwargs` dataset.chat_template_kwargs (the prompts are
+    rendered as the dataset stage rendered its own), `dataset_dir` and `train_metrics` the dataset stage's output and the
     trainer's metrics file (the agreement check). Writes the plot data (and the timing file
     when `outputs` names one) and returns the metrics; raises SmokeError (with .metrics) when a
     check fails."""
     t_stage = time.perf_counter()
     engine.environment(settings)  # before anything imports vLLM
     seed_everything(s.seed, s.threads)
-    inp = read_inputs(s, settings, export_dir, verifier_dir, at)
+    inp = read_inputs(s, settings, template_kwargs, export_dir, verifier_dir, at)
     eval_prompts = agreement.read_eval(dataset_dir, s.agreement_prompts,
                                        inp.verifier.info.vocab_size, settings["max_model_len"],
                                        inp.k)
@@ -333,7 +334,8 @@ def run(params: StageView, paths: Paths) -> dict:
     .train_metrics -> paths.plots, and
     beside paths.metrics and paths.plots the timing file and the k sweep's plots (Outputs.beside,
     the names dvc.yaml gives them); returns the metrics (the runner writes paths.metrics)."""
-    return measure(params.smoke, engine.settings_of(params.vllm), export_dir=paths.export,
+    return measure(params.smoke, engine.settings_of(params.vllm),
+                   template_kwargs=params.dataset.chat_template_kwargs, export_dir=paths.export,
                    verifier_dir=paths.verifier, dataset_dir=paths.dataset,
                    train_metrics=paths.train_metrics, plots_path=paths.plots,
                    outputs=Outputs.beside(paths.metrics, paths.plots), progress=paths.progress,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eagle3pipe.stages.dataset import run as dataset
-from eagle3pipe.stages.dataset import turns
+from eagle3pipe.stages.dataset import served, turns
 from eagle3pipe.data import conversations as conv
 from eagle3pipe.data import prompts as prompt_src
 from eagle3pipe.data.conversations import ConversationsError
@@ -259,6 +259,39 @@ def test_chat_template_kwargs_reach_every_turn_and_generated_reasoning_is_superv
             reasoning += sum(s["loss_mask"]) - 1  # all but the closing token
         assert m["reasoning_tokens"] == (reasoning if on else 0) and reasoning > 0
         assert m["reasoning_tags"] == ["<think>", "</think>"]
+
+
+# renders string content and content parts differently; vLLM sees the loop over content, so
+# it sends text as parts ([{"type": "text", "text": ...}]: hf.py _detect_content_format)
+PARTS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}[{{ part['text'] }}]{% endfor %}{% endif %}"
+    "<|end|>\n{% elif m['role'] == 'assistant' %}<|assistant|>\n{{ m['content'] }}<|end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.integration
+def test_prompts_that_vllm_renders_otherwise_stop_the_stage_before_any_output(
+        micro_verifier_copy, tmp_path):
+    """A template that renders string content and content parts differently: vLLM's server
+    sends parts, transformers strings; the stage names the sample, the position and both
+    tokens, and writes nothing. (Every other dataset test passes the same check.)"""
+    (micro_verifier_copy / "chat_template.jinja").write_text(PARTS_TEMPLATE)
+    tok = Verifier(micro_verifier_copy).tokenizer()
+    with pytest.raises(served.RenderingMismatch) as e:
+        dataset.build(cfg(), engine_settings(), micro_verifier_copy, tmp_path / "d",
+                      progress=False)
+    msg = str(e.value)
+    n = len(tok("<|user|>\n", add_special_tokens=False)["input_ids"])
+    assert msg.startswith("5 of 5 prompts differ from what vLLM's chat rendering gives"), msg
+    # the first token of the user's text, unless BPE merged it with the "\n" before it
+    assert re.search(r"stdlib-000001: the prompt the dataset stage rendered differs from "
+                     rf"vLLM's chat rendering at position {n}: '.+' \(id \d+\) here, "
+                     r"'\[' \(id \d+\) in vLLM", msg), msg
+    assert "fix: make the verifier's chat template render the same text" in msg
+    assert not (tmp_path / "d").exists()
 
 
 def test_reasoning_tokens_are_the_reply_tokens_inside_a_think_block(tokenizer):

@@ -46,6 +46,7 @@ class Prompt:
     messages: list[dict] = field(default_factory=list)  # the kept turns (last user turn cut)
     domain: str = DEFAULT_DOMAIN
     truncated: bool = False
+    tools: list | None = None  # the OpenAI tools schema list the template rendered, if any
 
 
 def snippets_of(part: str, section, n: int) -> list[str]:

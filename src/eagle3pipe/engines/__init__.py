@@ -1,3 +1,5 @@
-"""vLLM, the engine every verifier stage runs: engine settings and start-up (engine), hidden-state
-capture (capture, connector), the engine-less load check (load_check), the verifier's tensor names
-checked against vLLM's class (verifier_names) and timed passes (speed)."""
+"""vLLM, the engine every verifier stage runs: engine settings and start-up (engine), the
+hidden-state connector (connector), the checkpoint's tensor names checked against vLLM's class
+before any compute (preflight, verifier_names), the engine-less load check of an export
+(load_check) and its forward pass against speculators' (forward_check), vLLM's own chat
+rendering without an engine (rendering) and the serving recipe (serving)."""

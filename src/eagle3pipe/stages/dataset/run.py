@@ -42,7 +42,7 @@ from eagle3pipe.errors import Error, ParamsAt
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
-from eagle3pipe.stages.dataset import turns
+from eagle3pipe.stages.dataset import served, turns
 from eagle3pipe.stages.dataset.replies import Replies, reply_keys
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier.handle import Verifier
@@ -220,6 +220,7 @@ def _stdlib(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_d
     prompts = stdlib_prompts(cfg, tokenizer, progress=progress)
     log.info("%d prompts from stdlib:prompt; generating with vLLM", len(prompts))
     _enough("stdlib:prompt", len(prompts), len(prompts), {}, cfg)
+    served.check(prompts, v.model_dir, cfg.chat_template_kwargs, settings, progress=progress)
     keys = reply_keys(v, prompts, cfg, settings)
     # no gc or other run's bound removes a reply this run reads until its output lists it
     with leases.hold(store.root(), {"dataset": keys}), \
@@ -258,9 +259,12 @@ def _conversations(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int
     kept = len({group_of(s["id"]) for s in samples})
     _enough(r.report.source, kept, r.report.read, skipped, cfg, at)
     _checked(samples, cfg)
+    checked = served.check(done["prompts"], v.model_dir, cfg.chat_template_kwargs, settings,
+                           progress=progress)
     train, evals = split(samples, cfg.eval_fraction, cfg.seed, group=group_of)
     _write_splits(out_dir, train, evals, {s["id"]: k for s, k in zip(samples, done["keys"])})
     metrics = turns.metrics(r, done, len(train), len(evals))
+    metrics["prompts_equal_to_vllm_rendering"] = checked
     n_skipped = sum(skipped.values())
     counts = (done["computed"], len(samples) - done["computed"], n_skipped,
               len(samples) + n_skipped)

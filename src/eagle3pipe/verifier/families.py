@@ -75,7 +75,11 @@ def suggest_aux_ids(num_layers: int, decoder: dict | None = None) -> list[int] |
 def register_with_transformers() -> None:
     """Registers each alias model type (kimi_k2) with transformers' AutoConfig and
     AutoModelForCausalLM as the class it aliases, unless transformers already knows it (a
-    checkpoint's own remote code still wins where trust_remote_code is set: its auto_map)."""
+    checkpoint's own remote code still wins where trust_remote_code is set: its auto_map), and
+    gives it the aliased type's checkpoint conversions (deepseek_v3: the per-expert tensors
+    fused) unless it has its own. The conversions are registered even where the type is known:
+    vLLM registers kimi_k2 with AutoConfig as DeepseekV3Config when its engine loads such a
+    checkpoint (vllm/transformers_utils/config.py `_register_config_class`), without them."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,
@@ -85,6 +89,9 @@ def register_with_transformers() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     for alias, target in MODEL_TYPE_ALIASES.items():
+        mapping = get_checkpoint_conversion_mapping(target)  # e.g. fused MoE expert weights
+        if mapping is not None and get_checkpoint_conversion_mapping(alias) is None:
+            register_checkpoint_conversion_mapping(alias, mapping)
         if alias in CONFIG_MAPPING:
             continue
         base = CONFIG_MAPPING[target]
@@ -95,6 +102,3 @@ def register_with_transformers() -> None:
         model_cls = type(f"{alias.title().replace('_', '')}ForCausalLM", (model_base,),
                          {"config_class": config_cls, "__module__": __name__})
         AutoModelForCausalLM.register(config_cls, model_cls)
-        mapping = get_checkpoint_conversion_mapping(target)  # e.g. fused MoE expert weights
-        if mapping is not None and get_checkpoint_conversion_mapping(alias) is None:
-            register_checkpoint_conversion_mapping(alias, mapping)

@@ -205,7 +205,8 @@ class Verifier:
         return self.config.get(key)
 
     def hf_config(self):
-        """The decoder's transformers config (a wrapper's text_config; kimi_k2 as DeepseekV3)."""
+        """The decoder's transformers config (a wrapper's text_config; kimi_k2 as DeepseekV3, with
+        DeepseekV3's checkpoint conversions: families.register_with_transformers)."""
         from transformers import AutoConfig
 
         families.register_with_transformers()

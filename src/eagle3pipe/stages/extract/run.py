@@ -140,8 +140,8 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
                               numeric(settings), e.dtype, vllm_version())
             for name, ss in splits.items()}
     hs = store.Store("hidden")
-    # transformers' side of the oracle before the engine starts (never both models in memory):
-    # each oracle sample is compared as soon as vLLM hands it over, in the first batch
+    # the oracle's memory is judged before the engine starts; its samples are checked once vLLM
+    # has handed the last of them over (in the first batch), before they are stored
     oracle = Oracle(v, splits["train"], keys["train"], aux, e)
     # on demand (online, hybrid) the train stage captures the samples; here only the oracle's
     on_demand = e.mode != "offline"
@@ -211,7 +211,8 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
                      dataset_dir: Path) -> tuple[float, list[str]]:
     """Captures, through one engine, every sample whose key the store lacks, each checked
     (check_states, then the oracle where it is an oracle sample) and stored as soon as the
-    engine hands it over (a crash keeps what was finished; a refused sample is not stored).
+    engine hands it over, the oracle's samples once the oracle has checked them (a crash keeps
+    what was finished; a refused sample is not stored).
     No engine starts when nothing is missing. Returns (the engine's seconds, the keys
     computed)."""
     from eagle3pipe.engines import engine
@@ -222,6 +223,8 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
     if not todo:
         return 0.0, []
     prompts = [list(splits[n][i].input_ids) for n, i in todo]
+    prompt_of = {keys[n][i]: p for (n, i), p in zip(todo, prompts)}
+    oracle.expect(prompt_of)
     bar = tqdm(total=sum(map(len, prompts)), unit="tok", desc="extract", disable=not progress,
                mininterval=1.0)
     seconds, t0 = 0.0, time.perf_counter()
@@ -234,8 +237,8 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
             stored = hidden.to(capture_spec.torch_dtype(e.dtype)).contiguous()
             check_states(stored, prompts[j], layer_ids, file=str(dataset_dir / f"{n}.jsonl"),
                          sample=f"{n} sample {i} ({splits[n][i].id})")
-            oracle.see(keys[n][i], stored)
-            hs.put_hidden(keys[n][i], prompts[j], stored)
+            for key, states in oracle.see(keys[n][i], stored):  # an oracle sample once checked
+                hs.put_hidden(key, prompt_of[key], states)
             bar.update(len(prompts[j]))
             t0 = time.perf_counter()
     bar.close()

@@ -102,17 +102,17 @@ def test_a_layer_holds_its_files_tensors_and_nothing_else(family, layer, micro_v
         return real(self, target, source, *rest)
 
     monkeypatch.setattr(core_model_loading.WeightTransform, "add_tensor", add_tensor)
-    files = streaming.layer_tensors(v)
+    files = v.layer_tensors()
     base, mod = streaming.load_layer(v, v.hf_config(), layer, files[layer])
     theirs = f"{v.weight_prefix}model.layers.{layer}."
     assert sorted(handed) == sorted("model.layers.0." + n.removeprefix(theirs)
-                                    for _, n in files[layer])
-    per_layer, _ = oracle.float32_bytes(v)
+                                    for _, n, _ in files[layer])
+    per_layer, _ = v.float32_bytes()
     assert sum(4 * t.numel() for t in mod.state_dict().values()) == per_layer[layer]
     assert sum(p.numel() for p in base.parameters()) - sum(p.numel() for p in mod.parameters()) \
         == 2 * v.info.hidden_size  # a one-row embedding and the final norm: never used
     with safe_open(str(files[layer][0][0]), framework="pt") as st:
-        file = {n.removeprefix(theirs): st.get_tensor(n).float() for _, n in files[layer]}
+        file = {n.removeprefix(theirs): st.get_tensor(n).float() for _, n, _ in files[layer]}
     held = dict(mod.state_dict())
     experts = {k for k in file if ".experts." in k}
     assert bool(experts) == (family != "micro" and layer > 0)
@@ -143,7 +143,7 @@ def test_a_layer_that_does_not_load_is_an_error(micro_verifier, family_checkpoin
                        r"LlamaDecoderLayer as the oracle builds it: not in the checkpoint: "
                        r"layers\.2\.self_attn\.k_proj\.weight\n    fix: check that the "
                        r"checkpoint is complete"):
-        streaming.load_layer(v, v.hf_config(), 2, streaming.layer_tensors(v)[2])
+        streaming.load_layer(v, v.hf_config(), 2, v.layer_tensors()[2])
     dense = tmp_path / "deepseek"
     shutil.copytree(family_checkpoints["deepseek_v3"], dense)
     cfg = json.loads((dense / "config.json").read_text())
@@ -152,7 +152,7 @@ def test_a_layer_that_does_not_load_is_an_error(micro_verifier, family_checkpoin
     with pytest.raises(ExtractError, match=r"decoder layer 1 does not load .*: not in the "
                        r"checkpoint: layers\.1\.mlp\.down_proj\.weight.*; no place for: "
                        r"layers\.1\.mlp\.experts"):
-        streaming.load_layer(v, v.hf_config(), 1, streaming.layer_tensors(v)[1])
+        streaming.load_layer(v, v.hf_config(), 1, v.layer_tensors()[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def test_a_budget_of_one_layer_compares_every_slot(micro_verifier, monkeypatch):
     v = Verifier(micro_verifier)
     samples = rows(2)
     got = states(v, samples)
-    per_layer, embedding = oracle.float32_bytes(v)
+    per_layer, embedding = v.float32_bytes()
     assert sorted(per_layer) == list(range(v.info.num_hidden_layers)) and embedding > 0
     need = embedding + max(per_layer.values())
     assert need < embedding + sum(per_layer.values())

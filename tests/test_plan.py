@@ -295,3 +295,34 @@ def test_a_bad_disk_size_is_argparses_error(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "argument --disk: 'lots' is not a size" in err
     assert "Traceback" not in err
+
+
+def test_the_oracles_host_memory_is_the_embedding_and_the_largest_layer(micro_verifier):
+    """What `plan` states for the transformers oracle (extract.oracle_samples): the embedding
+    and the largest decoder layer in float32, the figure eagle3pipe.hidden.oracle judges. Kimi's
+    from its config by hand: a MoE layer of 384 + 1 experts beside MLA attention; a checkpoint's
+    from its safetensors headers, equal to the config's shapes for a Llama decoder."""
+    from eagle3pipe.estimates import figures as E
+
+    H, V = 7168, 163840
+    attention = (H * 1536 + 1536 + 1536 * 64 * (128 + 64) + H * (512 + 64) + 512
+                 + 512 * 64 * (128 + 128) + 64 * 128 * H)
+    moe = (384 + 1) * 3 * H * 2048 + 384 * H
+    f = E.figures(P.load(KIMI), KIMI_VERIFIER, gpu=True)
+    assert (f.oracle_embedding_bytes, f.oracle_layer_bytes) == (4 * V * H,
+                                                               4 * (attention + 2 * H + moe))
+    extract = next(s for s in plan.build(P.load(KIMI), KIMI_VERIFIER, gpu=True).stages
+                   if s.name == "extract")
+    assert any(n.startswith("oracle (extract.oracle_samples 4): 67.9 GiB of host memory, one "
+                            "decoder layer at a time in float32 (the embedding 4.4 GiB + the "
+                            "largest layer 63.6 GiB, from the config.json shapes)")
+               for n in extract.notes), extract.notes
+    headers = E.figures(P.load(ROOT / "tests/micro/params.yaml"), micro_verifier / "config.json",
+                        gpu=False)
+    assert headers.oracle_from == "safetensors headers"
+    cfg = json.loads((micro_verifier / "config.json").read_text())
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    layer = 4 * (2 * h * hd * (cfg["num_attention_heads"] + cfg["num_key_value_heads"])
+                 + 3 * h * cfg["intermediate_size"] + 2 * h)
+    assert headers.oracle_layer_bytes == layer and headers.oracle_embedding_bytes == \
+        4 * cfg["vocab_size"] * cfg["hidden_size"], (headers, cfg)

@@ -16,7 +16,7 @@ from typing import Callable
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params, VllmParams
 from eagle3pipe.draft import arch as A
-from eagle3pipe.estimates.size import verifier_weights
+from eagle3pipe.estimates.size import oracle_float32, verifier_weights
 from eagle3pipe.runtime.device import cuda_available  # noqa: F401 - plan and the runner's check read it here
 from eagle3pipe.runtime.units import DTYPE_BYTES, human
 from eagle3pipe.verifier.handle import VerifierInfo, read_config
@@ -55,6 +55,10 @@ class Figures:
     verifier_disk: int  # what the embedded verifier stage writes (its stored dtype)
     model_type: str | None
     gpu: bool
+    num_layers: int
+    oracle_embedding_bytes: int  # float32, what the transformers oracle holds beside a layer
+    oracle_layer_bytes: int  # the largest decoder layer in float32
+    oracle_from: str
 
 
 Estimator = Callable[[Params, Figures], Estimate]
@@ -89,7 +93,8 @@ def figures(params: Params, verifier_config: str | Path, gpu: bool) -> Figures:
     return Figures(dataset_tokens(params), info.hidden_size,
                    hidden_bytes_per_token(info.hidden_size, params.extract.dtype), draft_params,
                    draft_bytes, train_bytes, activation_floats_per_token(specs), v_params,
-                   v_bytes, v_from, v_params * stored, info.model_type, gpu)
+                   v_bytes, v_from, v_params * stored, info.model_type, gpu,
+                   info.num_hidden_layers, *oracle_float32(cfg, cfg_file))
 
 
 def engine_estimate(name: str, v: VllmParams, f: Figures, tokens: int, disk: int | None,

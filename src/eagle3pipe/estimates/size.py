@@ -37,15 +37,24 @@ def _attention_params(cfg: dict) -> int:
     return 2 * H * heads * hd + 2 * H * kvh * hd
 
 
-def config_param_estimate(cfg: dict) -> tuple[int, str]:
-    """(parameters, how) of a decoder config: attention (GQA or MLA), dense or MoE MLPs,
-    norms, embeddings and lm_head. An estimate: biases, MTP layers and extra heads omitted."""
-    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+def _mlps(cfg: dict) -> tuple[int, int, int]:
+    """(dense layers, parameters of a dense MLP, of a MoE block with its router) of a decoder
+    config; a MoE config's first `first_k_dense_replace` layers are dense."""
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
     dense_layers = min(cfg.get("first_k_dense_replace", 0), L) if experts else L
     dense_mlp = 3 * H * cfg.get("intermediate_size", 4 * H)
     moe_ff = cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 4 * H))
     moe_mlp = (experts + (cfg.get("n_shared_experts") or 0)) * 3 * H * moe_ff + experts * H
+    return dense_layers, dense_mlp, moe_mlp
+
+
+def config_param_estimate(cfg: dict) -> tuple[int, str]:
+    """(parameters, how) of a decoder config: attention (GQA or MLA), dense or MoE MLPs,
+    norms, embeddings and lm_head. An estimate: biases, MTP layers and extra heads omitted."""
+    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
+    dense_layers, dense_mlp, moe_mlp = _mlps(cfg)
     total = (L * (_attention_params(cfg) + 2 * H) + dense_layers * dense_mlp
              + (L - dense_layers) * moe_mlp + V * H * (1 if cfg.get("tie_word_embeddings") else 2)
              + H)
@@ -58,6 +67,23 @@ def config_param_estimate(cfg: dict) -> tuple[int, str]:
                 "n_routed_experts/moe_intermediate_size/kv_lora_rank...: far below the real "
                 "checkpoint)")
     return total, how
+
+
+def oracle_float32(cfg: dict, config_file: Path) -> tuple[int, int, str]:
+    """(the embedding, the largest decoder layer) in float32 bytes: what the transformers oracle
+    holds at once (eagle3pipe.hidden.oracle.oracle_memory), from the safetensors headers beside
+    config.json, else from the config's shapes; and where the figure comes from."""
+    from eagle3pipe.verifier.handle import Verifier
+
+    d = Path(config_file).parent
+    if any(d.glob("*.safetensors")):
+        per_layer, embedding = Verifier(d, verify=False).float32_bytes()
+        return embedding, max(per_layer.values(), default=0), "safetensors headers"
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    dense_layers, dense_mlp, moe_mlp = _mlps(cfg)
+    mlp = moe_mlp if dense_layers < L else dense_mlp
+    return 4 * cfg["vocab_size"] * H, 4 * (_attention_params(cfg) + 2 * H + mlp), \
+        "config.json shapes"
 
 
 def _weight_bytes(quant: dict | None, vllm_dtype: str) -> tuple[float, str]:

@@ -59,6 +59,17 @@ def extract(params: Params, f: Figures) -> Estimate:
                         sized_by="dataset.num_samples")
     e.notes.append(f"hidden states {f.hidden_per_token:,} B/token x {f.tokens:,} tokens = "
                    f"{human(hidden)}, + {human(rows)} of token ids and rows")
+    n = params.extract.oracle_samples
+    if n:
+        d = params.dataset
+        need = f.oracle_embedding_bytes + f.oracle_layer_bytes
+        e.notes.append(
+            f"oracle (extract.oracle_samples {n}): {human(need)} of host memory, one decoder "
+            f"layer at a time in float32 (the embedding {human(f.oracle_embedding_bytes)} + "
+            f"the largest layer {human(f.oracle_layer_bytes)}, from the {f.oracle_from}), "
+            "skipped above $EAGLE3PIPE_ORACLE_MEMORY (unset: half the free host memory); its "
+            f"time: reading the verifier's {f.num_layers} layers once and running {n} samples "
+            f"x <= {d.max_prompt_tokens + d.max_new_tokens} tokens through them in float32")
     return e
 
 

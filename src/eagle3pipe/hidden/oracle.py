@@ -8,9 +8,7 @@ semantics), serve the tests and the benchmarks.
 from __future__ import annotations
 
 import logging
-import math
 import re
-from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -21,15 +19,12 @@ from eagle3pipe.hidden.capture import CaptureError
 from eagle3pipe.hidden.spec import ExtractError, slot_names
 from eagle3pipe.hidden.streaming import segments, span, stream
 from eagle3pipe.runtime import environment
-from eagle3pipe.runtime.tensorfile import read_header
 from eagle3pipe.runtime.units import human
 from eagle3pipe.verifier import families
 from eagle3pipe.verifier.handle import Verifier
 
 log = logging.getLogger("eagle3pipe.stages.extract")
 
-
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def oracle_budget() -> tuple[int | None, str]:
@@ -50,28 +45,10 @@ def oracle_budget() -> tuple[int | None, str]:
     return free // 2, f"half the host's {human(free)} free"
 
 
-def float32_bytes(v) -> tuple[dict[int, int], int]:
-    """The decoder's weights in float32, from the safetensors headers (no weight read): bytes
-    per decoder layer, and the embedding's."""
-    layers: dict[int, int] = {}
-    embedding = 0
-    for f in sorted(Path(v.model_dir).glob("*.safetensors")):
-        for name, (_, shape) in read_header(f).tensors.items():
-            if not name.startswith(v.weight_prefix):
-                continue  # a wrapper's other towers: the oracle loads the decoder only
-            n = 4 * math.prod(shape)
-            m = LAYER.search(name)
-            if m:
-                layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + n
-            elif name.endswith("embed_tokens.weight"):
-                embedding += n
-    return layers, embedding
-
-
 def oracle_memory(v) -> tuple[str | None, str]:
     """(why the oracle is skipped, or None; what it holds): the embedding and the largest
     decoder layer in float32 (streaming holds one layer at a time), against oracle_budget()."""
-    per_layer, embedding = float32_bytes(v)
+    per_layer, embedding = v.float32_bytes()
     sizes = {i: per_layer.get(i, 0) for i in range(v.info.num_hidden_layers)}
     big = max(sizes, key=lambda i: (sizes[i], -i))
     need = embedding + sizes[big]

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 from pathlib import Path
 
 import torch
 
 from eagle3pipe.hidden.spec import ExtractError, slot_names
-from eagle3pipe.runtime.tensorfile import read_header
-from eagle3pipe.verifier import families
 
 log = logging.getLogger("eagle3pipe.stages.extract")
 
@@ -79,20 +76,7 @@ def layer_config(config, i: int):
     return c
 
 
-def layer_tensors(v) -> dict[int, list[tuple[Path, str]]]:
-    """Decoder layer -> its tensors (file, name) in the verifier's safetensors files, from the
-    headers alone (a wrapper's other towers left out)."""
-    layer = re.compile(rf"^{re.escape(v.weight_prefix)}model\.layers\.(\d+)\.")
-    out: dict[int, list[tuple[Path, str]]] = {}
-    for f in sorted(Path(v.model_dir).glob("*.safetensors")):
-        for name in read_header(f, error=ExtractError).tensors:
-            m = layer.match(name)
-            if m:
-                out.setdefault(int(m.group(1)), []).append((f, name))
-    return out
-
-
-def load_layer(v, config, i: int, tensors: list[tuple[Path, str]]):
+def load_layer(v, config, i: int, tensors: list[tuple[Path, str, tuple[int, ...]]]):
     """Decoder layer i of the verifier `v` (a eagle3pipe.verifier.handle.Verifier) in
     transformers, float32, eval mode, as layer 0 of a one-layer model: (the model's decoder,
     its layer). transformers gets layer i's tensors alone, renamed to layer 0's, as unread
@@ -116,9 +100,9 @@ def load_layer(v, config, i: int, tensors: list[tuple[Path, str]]):
     try:
         with ExitStack() as files:
             opened = {f: files.enter_context(safe_open(str(f), framework="pt"))
-                      for f in sorted({f for f, _ in tensors})}
+                      for f in sorted({f for f, _, _ in tensors})}
             state = {ours + name.removeprefix(theirs): opened[f].get_slice(name)
-                     for f, name in tensors}
+                     for f, name, _ in tensors}
             model, info = cls.from_pretrained(None, config=c, state_dict=state,
                                               dtype=torch.float32, attn_implementation="sdpa",
                                               output_loading_info=True)
@@ -189,7 +173,7 @@ def stream(v, aux: list[int], samples: list[tuple[list[int], torch.Tensor]]) -> 
     (token ids, vLLM's states [T, len(aux) + 1, H] as stored): slot k recomputed through its
     segment (segments) from vLLM's slot k - 1, slot 0 from the token ids."""
     n = v.info.num_hidden_layers
-    config, files = v.hf_config(), layer_tensors(v)
+    config, files = v.hf_config(), v.layer_tensors()
     ends = {a: k for k, a in enumerate(aux)}
     h = [embedding_rows(v, ids) for ids, _ in samples]
     refs = [torch.empty(len(ids), len(aux) + 1, x.shape[-1]) for (ids, _), x in zip(samples, h)]

@@ -4,8 +4,9 @@
 where its weights are (`model_dir`; path mode checks the external checkpoint is still what the
 verifier stage fingerprinted), its decoder config (`config`, with a multimodal wrapper's
 `text_config` unwrapped; `hf_config()` as transformers reads it, `kimi_k2` included), the prefix
-of the decoder's tensors in a wrapper (`weight_prefix`), the sizes that fix the draft (`info`),
-and its tokenizer. Every transformers load honours `vllm.trust_remote_code` (the one key, read
+of the decoder's tensors in a wrapper (`weight_prefix`), its tensors by decoder layer and their
+float32 size from the safetensors headers (`layer_tensors`, `float32_bytes`: the oracle's and
+the plan's), the sizes that fix the draft (`info`), and its tokenizer. Every transformers load honours `vllm.trust_remote_code` (the one key, read
 by every stage that loads the verifier). Its dtype
 and parallelism in the engines are the params' `vllm:` section's (eagle3pipe.engines.engine), the same
 in every stage. It never builds anything: building the embedded verifier, or fingerprinting a
@@ -20,6 +21,8 @@ A directory without manifest.json (a plain Hugging Face checkpoint) is used as i
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +34,7 @@ from eagle3pipe.verifier import families
 
 MANIFEST = "manifest.json"
 EMBEDDED_VERIFIER_DIR = "artifacts/verifier"  # the verifier stage's output
+EMBEDDING = "model.embed_tokens.weight"  # the decoder's embedding, after its weight_prefix
 
 
 class VerifierError(Error, ValueError):
@@ -217,14 +221,40 @@ class Verifier:
     def weight_prefix(self) -> str:
         """What precedes `model.embed_tokens.weight` in the checkpoint (`language_model.` in
         Kimi-K2.5's; "" in a decoder-only one), from the safetensors headers."""
-        from safetensors import safe_open
+        for f, header in self._headers():
+            for name in header.tensors:
+                if name.endswith(EMBEDDING):
+                    return name[:-len(EMBEDDING)]
+        return ""
+
+    def layer_tensors(self) -> dict[int, list[tuple[Path, str, tuple[int, ...]]]]:
+        """Decoder layer -> its tensors (file, name, shape), from the safetensors headers alone
+        (a wrapper's other towers left out; layers past num_hidden_layers, such as DeepSeek-V3's
+        multi-token-prediction layer, included)."""
+        layer = re.compile(rf"^{re.escape(self.weight_prefix)}model\.layers\.(\d+)\.")
+        out: dict[int, list[tuple[Path, str, tuple[int, ...]]]] = {}
+        for f, header in self._headers():
+            for name, (_, shape) in header.tensors.items():
+                m = layer.match(name)
+                if m:
+                    out.setdefault(int(m.group(1)), []).append((f, name, shape))
+        return out
+
+    def float32_bytes(self) -> tuple[dict[int, int], int]:
+        """The decoder's weights in float32 from the safetensors headers (no weight read):
+        bytes per decoder layer, and the embedding's."""
+        per_layer = {i: sum(4 * math.prod(shape) for _, _, shape in ts)
+                     for i, ts in self.layer_tensors().items()}
+        embedding = sum(4 * math.prod(shape) for _, header in self._headers()
+                        for name, (_, shape) in header.tensors.items()
+                        if name == self.weight_prefix + EMBEDDING)
+        return per_layer, embedding
+
+    def _headers(self):
+        from eagle3pipe.runtime.tensorfile import read_header
 
         for f in sorted(self.model_dir.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    if name.endswith("model.embed_tokens.weight"):
-                        return name[:-len("model.embed_tokens.weight")]
-        return ""
+            yield f, read_header(f, error=VerifierError)
 
     def tokenizer(self, *, chat: bool = True):
         """The verifier's tokenizer (from the stage's copies); with chat, one with a template."""

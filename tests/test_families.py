@@ -85,6 +85,7 @@ def test_family_capture_matches_the_transformers_hooks(runs, family):
     assert set(oracle["max_rel_error"]) == {"layer_input_1", "layer_input_2", "layer_input_3",
                                             "final_pre_norm"}
     assert max(oracle["max_rel_error"].values()) <= oracle["tolerance"]
+    assert oracle["positions_after_common_prefix"] > 0, oracle
 
 
 @pytest.mark.parametrize("family", checkpoints.MLA)
@@ -105,6 +106,8 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
     oracle = metrics(repo, "extract.json")["oracle"]
     assert oracle["samples"] == 4 and oracle["compared"].startswith("position 0 of 4"), log[-4000:]
     assert max(oracle["max_rel_error"].values()) <= oracle["tolerance"], oracle
+    # position 0 lies in the chat template's common prefix: no position where samples differ
+    assert oracle["positions_after_common_prefix"] == 0, oracle
     item = ArrowDataset(max_len=512, datapath=repo / "artifacts/hidden/train",
                         on_missing="raise")[0]
     v = Verifier(repo / "artifacts/verifier")

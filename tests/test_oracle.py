@@ -227,6 +227,27 @@ def test_the_pass_runs_when_the_last_oracle_sample_arrives(micro_verifier, monke
         o.see("k1", bad)
 
 
+def test_the_oracles_samples_differ_after_the_common_prefix(micro_verifier):
+    """A repeated prompt is checked once: the first extract.oracle_samples distinct samples,
+    which share a template-like prefix and differ after it; the metrics count the positions
+    compared after that prefix (where attention mixes what differs between samples)."""
+    v = Verifier(micro_verifier)
+    head = (7, 8, 9, 10, 11)
+    base = rows(3)
+    samples = [Sample(s.id, head + s.input_ids, (1,) * (len(head) + len(s.input_ids)))
+               for s in base]
+    samples.insert(1, samples[0])  # the same prompt twice: one store key, checked once
+    assert oracle.distinct(samples, 3) == [0, 2, 3]
+    assert oracle.common_prefix([s.input_ids for s in samples]) == len(head)
+    assert oracle.common_prefix([]) == 0 and oracle.common_prefix([(1, 2), (1, 2, 3)]) == 2
+    got = states(v, samples)
+    keys = ["k0", "k0", "k2", "k3"]
+    m = oracle.Oracle(v, samples, keys, AUX, section(oracle_samples=3)).finish(got.__getitem__)
+    assert m["samples"] == 3 and m["common_prefix_tokens"] == len(head), m
+    assert m["positions_after_common_prefix"] == sum(LENGTHS), m
+    assert {s["worst_sample"] for s in m["segments"].values()} <= {0, 2, 3}, m
+
+
 # ---------------------------------------------------------------------------------------------
 # Planted faults
 

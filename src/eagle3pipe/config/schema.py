@@ -136,9 +136,9 @@ class DatasetParams:
 @dataclass(frozen=True)
 class ExtractParams:
     dtype: str = spec("stored hidden-state dtype", choices=("bfloat16", "float16", "float32"))
-    batch_size: int = spec("sequences per engine call (and per oracle forward pass)", min=1)
+    batch_size: int = spec("sequences per engine call", min=1)
     threads: int = spec("torch CPU threads (the transformers oracle)", min=1)
-    oracle_samples: int = spec("training samples re-extracted by the transformers oracle "
+    oracle_samples: int = spec("distinct training samples the transformers oracle checks "
                                "(0: none)", min=0)
     oracle_tolerance: float = spec("largest relative error per slot vLLM vs transformers",
                                    min=0.0)

@@ -138,8 +138,9 @@ def padded_batches(samples: list[Sample], batch_size: int, pad_id: int
 
 class Oracle:
     """vLLM's states, as the stage stores them (in extract.dtype: the comparison includes that
-    rounding, ~2e-3 for bfloat16), for the first extract.oracle_samples training samples,
-    against transformers' float32 recomputation (eagle3pipe.hidden.streaming.stream): slot k
+    rounding, ~2e-3 for bfloat16), for the first extract.oracle_samples distinct training
+    samples (they share the chat template's prefix; the metrics count the positions compared
+    after it, where attention mixes what differs), against transformers' float32 recomputation (eagle3pipe.hidden.streaming.stream): slot k
     from vLLM's slot k - 1 through its segment's layers, slot 0 from the token ids, at every
     position. Per slot the relative error ||stored - hf|| / ||hf|| over a sample, the largest
     recorded, and where the largest per-position one is; above extract.oracle_tolerance the
@@ -154,7 +155,8 @@ class Oracle:
 
     def __init__(self, v: Verifier, samples: list[Sample], keys: list[str], aux: list[int], e):
         self.v, self.samples, self.aux, self.e = v, samples, aux, e
-        self.n = min(e.oracle_samples, len(samples))
+        self.chosen = distinct(samples, e.oracle_samples)
+        self.n = len(self.chosen)
         self.names = slot_names(aux)
         self.segments = segments(aux, v.info.num_hidden_layers)
         self.worst = [0.0] * len(self.names)
@@ -174,7 +176,7 @@ class Oracle:
         if self.skipped:
             log.warning("transformers oracle skipped: %s", self.skipped)
             return
-        for i in range(self.n):
+        for i in self.chosen:
             self.by_key.setdefault(keys[i], []).append(i)
         self.waiting = set(self.by_key)
 
@@ -227,7 +229,11 @@ class Oracle:
             segs[self.names[k]] = {"from": src, "layers": [first, last] if first <= last else [],
                                    "worst_sample": i, "worst_position": p,
                                    "worst_position_error": float(f"{err:.2g}")}
+        prefix = common_prefix([self.samples[i].input_ids for i in self.chosen])
+        after = 0 if self.first_only else sum(len(self.samples[i].input_ids) - prefix
+                                               for i in self.chosen)
         return {"samples": self.n, "tolerance": self.e.oracle_tolerance,
+                "common_prefix_tokens": prefix, "positions_after_common_prefix": after,
                 "compared": f"{where} of {self.n} samples{why}; each slot recomputed in "
                             "float32 from the previous slot's vLLM capture (the first from the "
                             "token ids) through its segment's layers",
@@ -259,6 +265,28 @@ class Oracle:
                     f"; worst at position {int(pos[k])}, {float(at[k]):.4f})" for k in bad),
                 fix=MLA_ORACLE_FIRST if self.first_only else MLA_ORACLE
                 if families.is_mla(self.v.config) else CAUSES)
+
+
+def distinct(samples: list[Sample], n: int) -> list[int]:
+    """The first n training samples whose token ids differ (a repeated prompt is checked once:
+    the oracle's samples share the chat template's prefix and differ after it)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for i, s in enumerate(samples):
+        if len(out) == n:
+            break
+        if tuple(s.input_ids) not in seen:
+            seen.add(tuple(s.input_ids))
+            out.append(i)
+    return out
+
+
+def common_prefix(ids: list[list[int]]) -> int:
+    """The number of leading tokens every one of `ids` shares (the chat template's prefix)."""
+    if not ids:
+        return 0
+    n = min(map(len, ids))
+    return next((p for p in range(n) if len({t[p] for t in ids}) > 1), n)
 
 
 def oracle_check(v: Verifier, samples: list[Sample], stored: Callable[[int], torch.Tensor],

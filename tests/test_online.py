@@ -221,6 +221,18 @@ def test_the_trainer_records_how_long_it_waited_for_the_engine(modes):
     assert out["server"]["record"]["computed"] == 16 and out["server"]["store"] == 0
 
 
+def test_the_on_demand_engine_passes_the_oracle_before_any_training_step(modes):
+    """In hybrid, online and from a server, the producer's engine went through the extract
+    stage's oracle on the first pack, every slot at every position; a hybrid rerun starts no
+    engine and checks none."""
+    _, out = modes
+    for name in ("hybrid", "online", "server"):
+        o = out[name]["record"]["oracle"]
+        assert o["samples"] >= 1 and o["positions_after_common_prefix"] > 0, (name, o)
+        assert max(o["max_rel_error"].values()) <= o["tolerance"], (name, o)
+    assert "oracle" not in out["hybrid rerun"]["record"]
+
+
 def test_a_server_the_trainer_cannot_reach_or_read_is_a_clear_error(modes):
     repo, out = modes
     for case, words in (("not shared", "shared by the server and every training node"),

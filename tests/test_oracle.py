@@ -248,6 +248,36 @@ def test_the_oracles_samples_differ_after_the_common_prefix(micro_verifier):
     assert {s["worst_sample"] for s in m["segments"].values()} <= {0, 2, 3}, m
 
 
+def test_the_on_demand_engine_passes_the_oracle_on_the_first_pack(micro_verifier):
+    """extract.mode online/hybrid: the producer's engine (here the whole decoder stands in for
+    it) goes through the extract stage's oracle with the manifest's settings on the first pack,
+    before the producer starts; an engine whose slots are swapped is refused there."""
+    from eagle3pipe.hidden.online import Manifest
+
+    v = Verifier(micro_verifier)
+    samples = rows(3)
+    model = oracle.tf_load(v)
+    asked: list[list[list[int]]] = []
+
+    def engine(swap: bool):
+        def compute(prompts):
+            asked.append(prompts)
+            for j, p in enumerate(prompts):
+                got = oracle.tf_capture(model, torch.tensor([p]), None, AUX)[0]
+                yield j, got[:, [1, 0, 2, 3]] if swap else got
+        return compute
+
+    m = Manifest(Path("manifest.json"), "online", {}, [*AUX, 4], "bfloat16", 64, {},
+                 aux_layer_ids=AUX, oracle={"oracle_samples": 2, "oracle_tolerance": 0.01})
+    keys, tokens = ["a", "b", "c"], {k: list(s.input_ids) for k, s in zip("abc", samples)}
+    metrics = oracle.check_engine(engine(False), v, m, keys, tokens)
+    assert asked == [[tokens["a"], tokens["b"]]] and metrics["samples"] == 2, asked
+    assert max(metrics["max_rel_error"].values()) < 2 ** -8, metrics
+    with pytest.raises(ExtractError, match=r"on train sample 0 \(a\), nothing published: "
+                       r"layer_input_1 "):
+        oracle.check_engine(engine(True), v, m, keys, tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # Planted faults
 

@@ -68,6 +68,8 @@ class Manifest:
     hidden_size: int
     engine: dict[str, Any]  # the numeric engine settings the keys hash (engine.numeric)
     vllm_version: str | None = None  # the extract stage's vLLM (what a server must run)
+    aux_layer_ids: list[int] | None = None
+    oracle: dict[str, Any] | None = None  # extract.oracle_samples and oracle_tolerance
 
     @property
     def num_slots(self) -> int:
@@ -85,7 +87,8 @@ def read_manifest(hidden_dir: str | Path) -> Manifest | None:
         return None
     try:
         return Manifest(path, doc["mode"], doc["sample_keys"], doc["layer_ids"], doc["dtype"],
-                        doc["hidden_size"], doc["engine_settings"], doc.get("vllm_version"))
+                        doc["hidden_size"], doc["engine_settings"], doc.get("vllm_version"),
+                        doc["aux_layer_ids"], doc.get("oracle"))
     except KeyError as e:
         raise OnlineError(f"{path}: no key {e}", fix="rerun `dvc repro extract`") from None
 
@@ -332,7 +335,9 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
            agree: Callable[[int], int] = lambda n: n) -> Iterator[Callable[[list[str]], None]]:
     """While the trainer runs: the producer of `demand` (offline, None: nothing), fed by the
     engine extract.endpoint names or by one started here with the manifest's numeric
-    settings and the run-only ones (`run`). Yields release(keys), which the trainer calls
+    settings and the run-only ones (`run`); before the producer starts, that engine passes the
+    extract stage's oracle on the first pack (oracle.check_engine; its metrics go to the
+    record as "oracle"). Yields release(keys), which the trainer calls
     with each train pack's keys once it is done with them. On exit: what it computed, kept
     and deleted, and how long the trainer waited, logged and written to `record_to`.
     `agree(n)`: the largest n over the run's ranks (a collective, so that every rank measures
@@ -343,7 +348,7 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
     if run is None:
         raise OnlineError("on-demand hidden states need the run-only settings",
                           fix="pass run=params.run_settings() (eagle3pipe.config.view)")
-    from eagle3pipe.hidden import on_demand
+    from eagle3pipe.hidden import on_demand, oracle
     from eagle3pipe.hidden.checks import check_states
     from eagle3pipe.verifier.handle import Verifier
 
@@ -363,6 +368,8 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
                      run=os.environ.get("TORCHELASTIC_RUN_ID")) as lease:
         needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
         with on_demand.source(m, v, run, threads=threads, needed=needed) as compute:
+            checked = oracle.check_engine(compute, v, m, demand.plan[0], demand.tokens) \
+                if compute and m.oracle else None  # before any training step
             p = Producer(compute, hs, demand.tokens, demand.plan, m=m, lead=demand.lead,
                          batch_size=run.batch_size, window=PREFETCH_PACKS, check=check,
                          used=used)
@@ -374,6 +381,8 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
                 yield p.release
             finally:
                 stats = p.close()
+    if checked is not None:
+        stats["oracle"] = checked
     engine = (run.endpoint or "engine in this stage") if needed else \
         "no engine started: every sample was in the store"
     log.info("%s: computed %d samples' hidden states (%s), read %d from the store, kept %d "
@@ -384,3 +393,4 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
         from eagle3pipe.runtime.jsonio import write_json
 
         write_json(record_to, stats)
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -287,6 +288,35 @@ def common_prefix(ids: list[list[int]]) -> int:
         return 0
     n = min(map(len, ids))
     return next((p for p in range(n) if len({t[p] for t in ids}) > 1), n)
+
+
+@dataclass(frozen=True)
+class OracleSettings:
+    """The extract section's oracle keys, as the on-demand manifest carries them to the train
+    stage (the Oracle reads these two of whatever settings object it is given)."""
+    oracle_samples: int
+    oracle_tolerance: float
+
+
+def check_engine(compute: Callable[[list[list[int]]], Iterable[tuple[int, torch.Tensor]]],
+                 v: Verifier, m, keys: list[str], tokens: dict[str, list[int]]) -> dict:
+    """The on-demand producer's engine (extract.mode online or hybrid: an engine in the train
+    stage, or the server at extract.endpoint) through the extract stage's oracle, with the
+    settings the on-demand manifest `m` carries (eagle3pipe.hidden.online.Manifest), on the
+    first pack the trainer reads (`keys`), before the producer starts and so before any
+    training step: the oracle's samples among them are captured through `compute` (the
+    producer's own), cast to the stored dtype, and checked; they are not stored (the producer
+    computes them again). The metrics, or an ExtractError."""
+    from eagle3pipe.hidden.spec import torch_dtype
+
+    samples = [Sample(k, tuple(tokens[k]), ()) for k in keys]
+    oracle = Oracle(v, samples, keys, m.aux_layer_ids, OracleSettings(**m.oracle))
+    got: dict[int, torch.Tensor] = {}
+    if not oracle.skipped:
+        chosen = oracle.chosen
+        for j, hidden in compute([list(samples[i].input_ids) for i in chosen]):
+            got[chosen[j]] = hidden.to(torch_dtype(m.dtype)).contiguous()
+    return oracle.finish(got.__getitem__)
 
 
 def oracle_check(v: Verifier, samples: list[Sample], stored: Callable[[int], torch.Tensor],

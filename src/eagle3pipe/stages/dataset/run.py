@@ -189,7 +189,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     else:
         metrics, timing, counts = _conversations(cfg, settings, v, tokenizer, closer, out_dir,
                                                  progress=progress, at=at)
-    metrics |= {"engine": engine.numeric(settings), "kernels": kernels(vllm=True)}
+    metrics |= {"engine": engine.numeric(settings, v.model_dir), "kernels": kernels(vllm=True)}
     metrics = dict(sorted(metrics.items()))
     # timings go to the log only: committed metrics must be byte-identical on rerun
     assert metrics["read"] == metrics["kept"] + metrics["skipped"]

@@ -136,8 +136,9 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
              "%s", v.model_dir, v.info.num_hidden_layers, v.info.hidden_size, aux, e.dtype)
     out_dir = Path(out_dir)
     layer_ids = spec.layer_ids
+    recorded = numeric(settings, v.model_dir)  # what the keys, manifest and metrics hold
     keys = {name: sample_keys(v.fingerprint, [s.input_ids for s in ss], layer_ids,
-                              numeric(settings), e.dtype, vllm_version())
+                              recorded, e.dtype, vllm_version())
             for name, ss in splits.items()}
     hs = store.Store("hidden")
     # the oracle's memory is judged before the engine starts; its samples are checked once vLLM
@@ -164,7 +165,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
                              "supervised_tokens": sum(sum(s.loss_mask) for s in ss)}
                       for name, ss in splits.items()}
             write_json(tmp / "manifest.json",
-                       _manifest(spec, counts, keys, layer_ids, settings, e, on_demand))
+                       _manifest(spec, counts, keys, layer_ids, recorded, e, on_demand))
     if e.mode == "online":  # keeps nothing past its use: the oracle's samples are checked
         others = leases.held(store.root()).get("hidden", set())  # another run reads those
         for k in computed:
@@ -176,7 +177,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
              store.root(), len(computed), total - len(computed), linked,
              f" ({e.mode}: the train stage computes the rest)" if on_demand else "")
     store.enforce_bound()
-    return _metrics(out_dir, spec, counts, seconds, settings, e, oracle)
+    return _metrics(out_dir, spec, counts, seconds, settings, recorded, e, oracle)
 
 
 def _read_splits(v: Verifier, dataset_dir: Path) -> dict[str, list[Sample]]:
@@ -191,7 +192,7 @@ def _read_splits(v: Verifier, dataset_dir: Path) -> dict[str, list[Sample]]:
 
 
 def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
-              settings: dict, e, on_demand: bool) -> dict:
+              recorded: dict, e, on_demand: bool) -> dict:
     """manifest.json: the layout, the capture and each split's counts and store keys (what
     `eagle3pipe gc` keeps); on demand, the keys and settings the train stage captures with."""
     aux = list(spec.aux_layer_ids)
@@ -201,7 +202,7 @@ def _manifest(spec: CaptureSpec, counts: dict, keys: dict, layer_ids: list[int],
            "splits": counts, "store_keys": keys}  # what `eagle3pipe gc` keeps
     if on_demand:  # a cache, not a published output: gc may evict these (no store_keys)
         doc |= {"mode": e.mode, "sample_keys": doc.pop("store_keys"),
-                "layer_ids": layer_ids, "engine_settings": numeric(settings),
+                "layer_ids": layer_ids, "engine_settings": recorded,
                 "vllm_version": vllm_version(),
                 "oracle": {"oracle_samples": e.oracle_samples,
                            "oracle_tolerance": e.oracle_tolerance}}
@@ -248,16 +249,14 @@ def _capture_missing(v: Verifier, splits: dict, keys: dict, hs, layer_ids: list[
 
 
 def _metrics(out_dir: Path, spec: CaptureSpec, counts: dict, seconds: float, settings: dict,
-             e, oracle: dict) -> dict:
-    from eagle3pipe.engines.engine import numeric
-
+             recorded: dict, e, oracle: dict) -> dict:
     tokens = sum(c["tokens"] for c in counts.values())
     hs_bytes = sum(tree_bytes(out_dir / n / "hidden_states") for n in SPLITS)
     total = tree_bytes(out_dir)
     elem = torch.tensor([], dtype=capture_spec.torch_dtype(e.dtype)).element_size()
     return {
         "engine": "vllm", "tensor_parallel_size": settings["tensor_parallel_size"],
-        "engine_settings": numeric(settings),
+        "engine_settings": recorded,
         "kernels": kernels(vllm=True),
         "samples": sum(c["samples"] for c in counts.values()),
         "tokens": tokens,

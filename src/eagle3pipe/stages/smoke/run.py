@@ -156,7 +156,7 @@ def metrics_of(s, inp: Inputs, reference: EngineRun, results: dict[str, dict], *
         "max_tokens": s.max_tokens,
         "prompts": inp.source,
         "tokens_generated_non_speculative": sum(map(len, reference.token_ids)),
-        "engine": engine.numeric(inp.settings),
+        "engine": engine.numeric(inp.settings, inp.model_dir),
         "kernels": kernels(vllm=True),
         "formats": {fmt: results[fmt] for fmt in inp.exports},
         NGRAM: results[NGRAM],

@@ -242,6 +242,32 @@ def test_prompts_file_domains_limit_and_bom(micro_verifier, tmp_path):
         prompts.read_prompts(empty, _tokenizer(micro_verifier), 3, {})
 
 
+def test_mtbench_prompts_are_first_turns_by_category(micro_verifier, tmp_path):
+    """smoke.prompts_format: mtbench reads MT-Bench's question.jsonl: each row's first turn is a
+    prompt (a later turn would answer the verifier's own reply), its category the domain; a
+    bad row is an error naming file:line, both keys and the row the format expects."""
+    tok = _tokenizer(micro_verifier)
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Shorter."]},
+        {"question_id": 2, "turns": ["def f(x):"]}]) + "\n")
+    got = prompts.read_prompts(path, tok, 5, {}, fmt="mtbench")
+    assert [(p.domain, p.source) for p in got] == [("writing", f"{path}:1"),
+                                                   ("default", f"{path}:2")]
+    assert got[0].ids == prompts.template_ids(tok, [{"role": "user", "content": "Write a haiku."}],
+                                              add_generation_prompt=True, template_kwargs={})
+    path.write_text('{"question_id": 1, "turns": "one"}\n')
+    with pytest.raises(prompts.PromptsError) as e:
+        prompts.read_prompts(path, tok, 5, {}, ParamsAt("params.yaml", {"smoke.prompts": 7}),
+                             fmt="mtbench")
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:1: ") and '"turns" is a JSON string, not a list' in msg, msg
+    assert "smoke.prompts at params.yaml:7, smoke.prompts_format mtbench" in msg, msg
+    assert '"turns": ["...", ...]' in msg, msg
+    with pytest.raises(prompts.PromptsError, match=r'no "messages"'):  # the other format's rows
+        prompts.read_prompts(path, tok, 5, {})
+
+
 def test_prompts_must_lie_in_the_stages_dvc_dep(tmp_path, monkeypatch):
     """smoke.prompts is a file in prompts/, the directory dvc.yaml lists as a dep of the smoke
     stage: editing it reruns the stage. A file elsewhere would not, so it is refused."""
@@ -471,7 +497,8 @@ def _agreement_inputs(tmp_path: Path, verifier: Path, trained: list[float],
     tok = _tokenizer(verifier)
     rows = []
     for i in range(n):
-        ids = prompts.chat_ids(tok, [{"role": "user", "content": f"def f{i}(x):"}], {})
+        ids = prompts.template_ids(tok, [{"role": "user", "content": f"def f{i}(x):"}],
+                                   add_generation_prompt=True, template_kwargs={})
         rows.append({"id": f"t-{i}", "input_ids": ids + [0] * MAX_TOKENS,
                      "loss_mask": [0] * len(ids) + [1] * MAX_TOKENS, "messages": []})
     (tmp_path / "dataset").mkdir(exist_ok=True)
@@ -600,20 +627,24 @@ def test_untrained_draft_fails_the_threshold_and_the_agreement(micro_verifier, t
 
 @pytest.mark.slow
 def test_per_domain_prompts_from_a_jsonl(micro_verifier_copy, tmp_path):
-    """smoke.prompts: a small JSONL in prompts/ with two domains (one line without "domain":
-    "default"). Each domain is generated as its own batch; acceptance (positive control: exactly
-    k + 1) and speed are reported per domain, and the domains add up to the overall counts."""
+    """smoke.prompts: a user's copy of MT-Bench's question.jsonl in prompts/
+    (smoke.prompts_format: mtbench) with two categories and one row without a category
+    ("default"). Each category is generated as its own batch; acceptance (positive control:
+    exactly k + 1) and speed are reported per category, and they add up to the overall counts.
+    (The messages format reaches the same domains: test_prompts_file_domains_limit_and_bom.)"""
     verifier = drafts.zero_final_norm(micro_verifier_copy)
     arch = drafts.micro_arch(verifier)
     export = drafts.write_export(tmp_path / "export", arch, verifier_dir=verifier,
                                  mode="zero_norm", num_speculative_tokens=K)
     (tmp_path / "prompts").mkdir()
-    lines = [_line([{"role": "user", "content": "def add(a, b):"}], domain="code"),
-             _line([{"role": "user", "content": "Explain a list."}], domain="prose"),
-             _line([{"role": "user", "content": "class Stack:"}], domain="code"),
-             _line([{"role": "user", "content": "import os"}])]
-    (tmp_path / "prompts" / "eval.jsonl").write_text("\n".join(lines) + "\n")
-    params = _params(tmp_path, prompts="prompts/eval.jsonl", num_prompts=10)
+    rows = [{"question_id": 81, "category": "code", "turns": ["def add(a, b):", "And sub?"]},
+            {"question_id": 82, "category": "prose", "turns": ["Explain a list."]},
+            {"question_id": 83, "category": "code", "turns": ["class Stack:"]},
+            {"question_id": 84, "turns": ["import os"]}]
+    (tmp_path / "prompts" / "eval.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in rows) + "\n")
+    params = _params(tmp_path, prompts="prompts/eval.jsonl", num_prompts=10,
+                     prompts_format="mtbench")
     r = _stage(tmp_path, params, export, verifier)
     assert r.returncode == 0, r.stderr[-4000:]
     m = json.loads((tmp_path / "metrics" / "smoke.json").read_text())

@@ -220,8 +220,12 @@ class SmokeParams:
                                       "split is below the trainer's estimate by more than this "
                                       "share of it", min=0.0)
     prompts: str | None = spec(
-        "JSONL of chat prompts {messages, domain} under prompts/ (the stage's dep); null: the "
-        "held-out stdlib prompts", default=None)
+        "JSONL of chat prompts under prompts/ (the stage's dep), in smoke.prompts_format; "
+        "null: the held-out stdlib prompts", default=None)
+    prompts_format: str = spec("smoke.prompts' rows: messages ({messages, domain}: the last "
+                               "user turn answered) or mtbench (MT-Bench's question.jsonl "
+                               "{question_id, category, turns}: the first turn, per category)",
+                               choices=("messages", "mtbench"), default="messages")
     k_sweep: list[int] = spec("k values also measured for acceptance and speedup (the draft in "
                               "the vllm layout and ngram); []: none", default=())
     timing_rounds: int = spec("timed rounds: each one generates the prompt set once with every "

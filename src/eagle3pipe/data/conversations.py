@@ -34,7 +34,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 # vLLM's content parts that carry a "text" (vllm/renderers/chat_utils.py: MM_PARSER_MAP)
 TEXT_PARTS = ("text", "input_text", "output_text")
 _KEY = {"messages": "messages", "sharegpt": "conversations", "mtbench": "turns"}
-_ROW = {"messages": '{"messages": [{"role": "user", "content": "..."}, ...]}',
+ROWS = {"messages": '{"messages": [{"role": "user", "content": "..."}, ...]}',
         "sharegpt": '{"conversations": [{"from": "human", "value": "..."}, ...]}',
         "mtbench": '{"question_id": 1, "category": "...", "turns": ["...", ...]}'}
 EXAMPLES = 3  # the skipped rows a report names per reason
@@ -73,7 +73,7 @@ class BadInputError(ConversationsError):
         super().__init__(problems=[Problem(source, None, key, detail, fix)])
 
 
-class _Bad(Exception):
+class RowError(Exception):
     """A bad row, found while normalising it: reason, what is wrong, the fix."""
 
     def __init__(self, reason: str, detail: str, fix: str = ""):
@@ -127,17 +127,17 @@ def _content(where: str, value: Any, optional: bool) -> str:
     if value is None or value == []:
         if optional:
             return ""
-        raise _Bad("bad_content", f"{where} is missing, null or []; only an assistant turn "
+        raise RowError("bad_content", f"{where} is missing, null or []; only an assistant turn "
                                   "with tool_calls may have no content")
     if isinstance(value, list):  # text parts joined with "\n" as vLLM joins them for a
         # chat template (vllm/renderers/chat_utils.py: _parse_chat_message_content_parts)
         value = "\n".join(_part_text(f"{where}[{i}]", p) for i, p in enumerate(value))
     if not isinstance(value, str):
-        raise _Bad("bad_content", f"{where} is {_show(value)}, not a string or text parts")
+        raise RowError("bad_content", f"{where} is {_show(value)}, not a string or text parts")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON's "\udc80" escapes decode to lone surrogates
-        raise _Bad("bad_content", f"{where} is not valid Unicode (a lone surrogate "
+        raise RowError("bad_content", f"{where} is not valid Unicode (a lone surrogate "
                                   f"{value[e.start]!r} at character {e.start})") from None
     return value
 
@@ -146,16 +146,16 @@ def _part_text(where: str, part: Any) -> str:
     text = part if isinstance(part, str) else (  # vLLM takes a bare string part as text
         part.get("text") if isinstance(part, dict) and part.get("type") in TEXT_PARTS else None)
     if not isinstance(text, str):
-        raise _Bad("bad_content_part", f"{where} is {_show(part)}, not a text part")
+        raise RowError("bad_content_part", f"{where} is {_show(part)}, not a text part")
     if not text:
-        raise _Bad("bad_content_part", f"{where} is an empty text part")
+        raise RowError("bad_content_part", f"{where} is an empty text part")
     return text
 
 
 def _tool_calls(where: str, value: Any) -> list[dict] | None:
     """OpenAI function calls, arguments as given (a JSON string or an object); none: None."""
     if value is not None and not isinstance(value, list):
-        raise _Bad("bad_tool_call", f"{where} is {_show(value)}, not a list of calls")
+        raise RowError("bad_tool_call", f"{where} is {_show(value)}, not a list of calls")
     calls = []
     for i, c in enumerate(value or ()):
         fn = c.get("function") if isinstance(c, dict) else None
@@ -163,7 +163,7 @@ def _tool_calls(where: str, value: Any) -> list[dict] | None:
                 and isinstance(fn.get("name"), str) and fn["name"]
                 and isinstance(fn.get("arguments"), (str, dict))
                 and isinstance(c.get("id"), (str, type(None)))):
-            raise _Bad("bad_tool_call", f"{where}[{i}] is {_show(c)}, not a function call")
+            raise RowError("bad_tool_call", f"{where}[{i}] is {_show(c)}, not a function call")
         calls.append(({"id": c["id"]} if c.get("id") else {}) | {
             "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return calls or None  # vLLM drops an empty tool_calls (_postprocess_messages)
@@ -174,21 +174,21 @@ def _message(fmt: str, j: int, m: Any) -> dict:
     at = f"{_KEY[fmt]}[{j}]"
     role_key, text_key = ("role", "content") if fmt == "messages" else ("from", "value")
     if not isinstance(m, dict) or m.get(role_key) is None:
-        raise _Bad("bad_message", f'{at} is {_show(m)}, not an object with a "{role_key}"')
+        raise RowError("bad_message", f'{at} is {_show(m)}, not an object with a "{role_key}"')
     raw = m[role_key]
     role = raw if fmt == "messages" else SHAREGPT_ROLES.get(raw) if isinstance(raw, str) else None
     if role not in ROLES:
         known = ROLES if fmt == "messages" else tuple(SHAREGPT_ROLES)
-        raise _Bad("unknown_role", f"{at}.{role_key} is {_show(raw)}, not one of "
+        raise RowError("unknown_role", f"{at}.{role_key} is {_show(raw)}, not one of "
                                    f"{', '.join(known)}")
     calls = _tool_calls(f"{at}.tool_calls", m.get("tool_calls"))
     if calls and role != "assistant":
-        raise _Bad("bad_tool_call", f"{at} is a {role} turn with tool_calls")
+        raise RowError("bad_tool_call", f"{at} is a {role} turn with tool_calls")
     out = {"role": role, "content": _content(f"{at}.{text_key}", m.get(text_key), bool(calls))}
     out |= {"tool_calls": calls} if calls else {}
     for key in ("tool_call_id", "name") if role == "tool" else ("name",):  # as vLLM keeps them
         if m.get(key) is not None and not (isinstance(m[key], str) and m[key]):
-            raise _Bad("bad_message", f"{at}.{key} is {_show(m[key])}, not a non-empty string")
+            raise RowError("bad_message", f"{at}.{key} is {_show(m[key])}, not a non-empty string")
         out |= {key: m[key]} if m.get(key) is not None else {}
     return out
 
@@ -197,36 +197,36 @@ def _check_order(messages: list[dict], key: str) -> None:
     """The turn order chat templates take: an optional system message first, then a user turn;
     each tool result after an assistant turn's tool_calls (one of their ids, where given)."""
     if all(m["role"] != "user" for m in messages):
-        raise _Bad("no_user_turn", f'"{key}" has no user turn')
+        raise RowError("no_user_turn", f'"{key}" has no user turn')
     first_user = next(j for j, m in enumerate(messages) if m["role"] == "user")
     calls: list[str] | None = None  # the ids of the open tool calls; None: none open
     for j, m in enumerate(messages):
         role, at = m["role"], f"{key}[{j}]"
         if role == "system" and j > 0:
-            raise _Bad("bad_turn_order", f"{at} is a system message after the first turn")
+            raise RowError("bad_turn_order", f"{at} is a system message after the first turn")
         if role in ("assistant", "tool") and j < first_user:
-            raise _Bad("bad_turn_order", f"{at} ({role}) comes before the first user turn")
+            raise RowError("bad_turn_order", f"{at} ({role}) comes before the first user turn")
         if role != "tool":
             calls = [c["id"] for c in m["tool_calls"] if "id" in c] if "tool_calls" in m \
                 else None
         elif calls is None:
-            raise _Bad("orphan_tool_result", f"{at} is a tool result with no assistant "
+            raise RowError("orphan_tool_result", f"{at} is a tool result with no assistant "
                                              "tool_calls before it")
         elif calls and m.get("tool_call_id", calls[0]) not in calls:
-            raise _Bad("orphan_tool_result", f"{at}.tool_call_id {m['tool_call_id']!r} answers "
+            raise RowError("orphan_tool_result", f"{at}.tool_call_id {m['tool_call_id']!r} answers "
                                              f"none of the calls before it ({', '.join(calls)})")
 
 
-def _not_format(row: Any, fmt: str) -> _Bad:
+def _not_format(row: Any, fmt: str) -> RowError:
     """Not the declared format: which format the row looks like, where its keys tell."""
-    key, fix = _KEY[fmt], f"write each row as {_ROW[fmt]}"
+    key, fix = _KEY[fmt], f"write each row as {ROWS[fmt]}"
     if not isinstance(row, dict):
-        return _Bad("wrong_format", f"the row is a JSON {json_type(row)}, not an object", fix)
+        return RowError("wrong_format", f"the row is a JSON {json_type(row)}, not an object", fix)
     other = next((f for f, k in _KEY.items() if f != fmt and row.get(k) is not None), None)
     if other:
-        return _Bad("wrong_format", f'not {fmt} format (no "{key}" key; a "{_KEY[other]}" key: '
+        return RowError("wrong_format", f'not {fmt} format (no "{key}" key; a "{_KEY[other]}" key: '
                                     f"set dataset.format: {other})", f"set dataset.format: {other}")
-    return _Bad("wrong_format", f'not {fmt} format (no "{key}" key; keys: '
+    return RowError("wrong_format", f'not {fmt} format (no "{key}" key; keys: '
                                 f"{', '.join(sorted(map(str, row)))[:80]})", fix)
 
 
@@ -234,28 +234,29 @@ def _tools(value: Any) -> tuple | None:
     if isinstance(value, str):  # Parquet dumps often hold the schema list as a JSON string
         value, err = parse_line(value.encode("utf-8", "surrogatepass"))
         if err:
-            raise _Bad("bad_tools", f'"tools" is a string that is {err}')
+            raise RowError("bad_tools", f'"tools" is a string that is {err}')
     if value is not None and not (isinstance(value, list)
                                   and all(isinstance(t, dict) for t in value)):
-        raise _Bad("bad_tools", f'"tools" is {_show(value)}, not a list of tool objects')
+        raise RowError("bad_tools", f'"tools" is {_show(value)}, not a list of tool objects')
     return tuple(value) if value else None
 
 
-def _conversation(row: Any, fmt: str) -> tuple[list[dict], tuple | None, str | None]:
-    """(messages, tools, category) of one parsed row, or _Bad."""
+def parse_row(row: Any, fmt: str) -> tuple[list[dict], tuple | None, str | None]:
+    """(messages, tools, category) of one parsed row in `fmt`, or RowError (the smoke stage's
+    MT-Bench prompts are read by it too: eagle3pipe.data.prompts)."""
     key = _KEY[fmt]
     turns = row.get(key) if isinstance(row, dict) else None
     if turns is None:
         raise _not_format(row, fmt)
     if not isinstance(turns, list):
-        raise _Bad("wrong_format", f'"{key}" is a JSON {json_type(turns)}, not a list',
-                   f"write each row as {_ROW[fmt]}")
+        raise RowError("wrong_format", f'"{key}" is a JSON {json_type(turns)}, not a list',
+                   f"write each row as {ROWS[fmt]}")
     if not turns:
-        raise _Bad("empty_conversation", f'"{key}" is empty')
+        raise RowError("empty_conversation", f'"{key}" is empty')
     if fmt == "mtbench":
         bad = next((j for j, t in enumerate(turns) if not isinstance(t, str)), None)
         if bad is not None:
-            raise _Bad("bad_content", f"turns[{bad}] is {_show(turns[bad])}, not a string")
+            raise RowError("bad_content", f"turns[{bad}] is {_show(turns[bad])}, not a string")
         messages = [{"role": "user", "content": _content(f"turns[{j}]", t, False)}
                     for j, t in enumerate(turns)]
     else:
@@ -359,9 +360,9 @@ class Reader:
             self.report.read += 1
             try:
                 if err:
-                    raise _Bad("malformed_json", err)
-                messages, tools, category = _conversation(row, self.fmt)
-            except _Bad as bad:
+                    raise RowError("malformed_json", err)
+                messages, tools, category = parse_row(row, self.fmt)
+            except RowError as bad:
                 key = "dataset.format" if bad.reason == "wrong_format" else "dataset.source"
                 error = BadInputError(source, bad.reason, bad.detail,
                                       f"{key} ({self.at.where(key)})", f"{bad.fix} (or set "
@@ -375,7 +376,7 @@ class Reader:
         if self.report.read == 0:
             raise ConversationsError(problems=[self.at.problem(
                 "dataset.source", f"{self.path}: no conversation in it (empty, or only blank "
-                "lines)", f"one conversation per row: {_ROW[self.fmt]}")])
+                "lines)", f"one conversation per row: {ROWS[self.fmt]}")])
 
 
 def read(path: str | Path, fmt: str, *, on_bad_input: str, max_turns: int | None = None,

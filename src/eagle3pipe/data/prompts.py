@@ -1,10 +1,13 @@
 """Chat prompts for the verifier. The smoke stage's evaluation prompts: the held-out stdlib
 snippets (`smoke.prompts: null`, one domain "stdlib"), or a JSONL of chat prompts under prompts/
-(the directory is a DVC dep of the stage), one per line: {"messages": [{"role", "content"},
-...], "domain": "..."} (domain optional: "default"); the last turn is the user turn the verifier
-answers. Lines are read by the project's one JSON-line parser and its turn checks
-(eagle3pipe.data.samples), so a bad line is an error naming file:line, the params key and the
-fix. The dataset stage's stdlib prompts (`dataset.source: null`), the chat templating and
+(the directory is a DVC dep of the stage), one per line, in `smoke.prompts_format`: messages,
+{"messages": [{"role", "content"}, ...], "domain": "..."} (domain optional: "default"), whose
+last turn is the user turn the verifier answers; or mtbench, FastChat's MT-Bench
+question.jsonl {"question_id", "category", "turns"}, whose first turn is the prompt and whose
+category is its domain (a later turn would answer the verifier's own first reply). Lines are
+read by the project's one JSON-line parser and its turn checks (eagle3pipe.data.samples; an
+MT-Bench row by eagle3pipe.data.conversations.parse_row), so a bad line is an error naming
+file:line, the params key and the fix. The dataset stage's stdlib prompts (`dataset.source: null`), the chat templating and
 prompt fitting both dataset sources share, and path_inside: the one check that a params path
 lies in the folder its stage depends on (prompts/ for smoke.prompts, conversations/ for
 dataset.source). A conversation source is read by eagle3pipe.data.conversations.
@@ -19,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eagle3pipe.data import samples
+from eagle3pipe.data import conversations, samples
 from eagle3pipe.errors import Error, ParamsAt
 from eagle3pipe.verifier import corpus
 
@@ -57,14 +60,6 @@ def snippets_of(part: str, section, n: int) -> list[str]:
                            max_chars=section.snippet_max_chars)
 
 
-def chat_ids(tok, messages: list[dict], template_kwargs: dict) -> list[int]:
-    """Messages formatted with the verifier's chat template (add_generation_prompt=True,
-    dataset.chat_template_kwargs) and tokenized once, so vLLM adds no second BOS."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                   **template_kwargs)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
 def build_prompts(tok, s, template_kwargs: dict) -> list[list[int]]:
     """Held-out corpus snippets as user turns, tokenized with the chat template (`s`: the
     params' smoke section)."""
@@ -72,8 +67,8 @@ def build_prompts(tok, s, template_kwargs: dict) -> list[list[int]]:
         texts = snippets_of("heldout", s, s.num_prompts)
     except RuntimeError as e:
         raise PromptsError(f"smoke.num_prompts: {e}") from None
-    return [chat_ids(tok, [{"role": "user", "content": text}], template_kwargs)
-            for text in texts]
+    return [template_ids(tok, [{"role": "user", "content": text}], add_generation_prompt=True,
+                         template_kwargs=template_kwargs) for text in texts]
 
 
 def path_inside(value: str, folder: str, key: str, stage: str,
@@ -128,11 +123,27 @@ def _prompt_problem(row: Any) -> tuple[str, str] | None:
     return None
 
 
+def _row_prompt(row: Any, fmt: str) -> tuple[list[dict], str] | tuple[str, str]:
+    """(messages, domain) of one parsed prompt line in `fmt`, or (what is wrong, the fix)."""
+    if fmt == "mtbench":
+        try:
+            messages, _, category = conversations.parse_row(row, "mtbench")
+        except conversations.RowError as bad:
+            return bad.detail, bad.fix
+        return messages[:1], category or DEFAULT_DOMAIN
+    problem = _prompt_problem(row)
+    if problem:
+        return problem
+    return ([{"role": m["role"], "content": m["content"]} for m in row["messages"]],
+            row.get("domain", DEFAULT_DOMAIN))
+
+
 def read_prompts(path: Path, tok, limit: int, template_kwargs: dict,
-                 at: ParamsAt = ParamsAt()) -> list[Prompt]:
-    """The first `limit` prompts of a JSONL of chat prompts; a bad line is an error naming
-    file:line, the fix and the params key. The JSON of each line is read by the project's one
-    JSON-line parser (samples.parse_line) and its turns by samples.message_problem."""
+                 at: ParamsAt = ParamsAt(), fmt: str = "messages") -> list[Prompt]:
+    """The first `limit` prompts of a JSONL of chat prompts in `fmt` (smoke.prompts_format); a
+    bad line is an error naming file:line, the fix and the params key. The JSON of each line is
+    read by the project's one JSON-line parser (samples.parse_line), its turns by
+    samples.message_problem or, for MT-Bench, conversations.parse_row."""
     key = f"smoke.prompts at {at.where('smoke.prompts')}"
     out: list[Prompt] = []
     try:
@@ -148,13 +159,16 @@ def read_prompts(path: Path, tok, limit: int, template_kwargs: dict,
             if not raw.strip():
                 continue
             row, err = samples.parse_line(raw)
-            problem = (err, "make the line one complete JSON object: " + PROMPT_LINE) if err \
-                else _prompt_problem(row)
-            if problem:
-                raise PromptsError(f"{path}:{lineno}: {problem[0]} ({key})", fix=problem[1])
-            messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-            out.append(Prompt(chat_ids(tok, messages, template_kwargs), f"{path}:{lineno}",
-                              domain=row.get("domain", DEFAULT_DOMAIN)))
+            line = PROMPT_LINE if fmt == "messages" else conversations.ROWS[fmt]
+            got = (err, "make the line one complete JSON object: " + line) if err \
+                else _row_prompt(row, fmt)
+            if isinstance(got[0], str):
+                raise PromptsError(f"{path}:{lineno}: {got[0]} ({key}, smoke.prompts_format "
+                                   f"{fmt})", fix=got[1])
+            messages, domain = got
+            out.append(Prompt(template_ids(tok, messages, add_generation_prompt=True,
+                                           template_kwargs=template_kwargs),
+                              f"{path}:{lineno}", domain=domain))
     if not out:
         raise PromptsError(f"{path}: no prompt in it (empty, or only blank lines; {key})",
                          fix=f"one prompt per line: {PROMPT_LINE}")
@@ -169,17 +183,20 @@ def load(s, tok, template_kwargs: dict, at: ParamsAt = ParamsAt()) -> tuple[list
                 for i, ids in enumerate(build_prompts(tok, s, template_kwargs))], \
             STDLIB_SOURCE
     path = prompts_path(s.prompts, at)
-    return read_prompts(path, tok, s.num_prompts, template_kwargs, at), str(path)
+    return read_prompts(path, tok, s.num_prompts, template_kwargs, at, s.prompts_format), \
+        str(path)
 
 
 # ---------------------------------------------------------------------------------------------
-# Chat templating shared by the dataset stage
+# Chat templating shared by the dataset and smoke stages
 
 
 def template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
                  template_kwargs: dict, tools: list | None = None) -> list[int]:
     """Messages (and the OpenAI `tools` schema list, when given) through the verifier's chat
-    template with dataset.chat_template_kwargs (`template_kwargs`), tokenized by it."""
+    template with dataset.chat_template_kwargs (`template_kwargs`), tokenized by it
+    (transformers tokenizes the rendered text without adding special tokens again: no second
+    BOS)."""
     out = tokenizer.apply_chat_template(messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         tokenize=True, return_dict=True, **template_kwargs)

@@ -259,6 +259,7 @@ def test_chat_template_kwargs_reach_every_turn_and_generated_reasoning_is_superv
             reasoning += sum(s["loss_mask"]) - 1  # all but the closing token
         assert m["reasoning_tokens"] == (reasoning if on else 0) and reasoning > 0
         assert m["reasoning_tags"] == ["<think>", "</think>"]
+        assert m["tool_calls"] == 0 and m["tool_call_tags"] == ["<tool_call>", "</tool_call>"]
 
 
 # renders string content and content parts differently; vLLM sees the loop over content, so
@@ -305,6 +306,16 @@ def test_reasoning_tokens_are_the_reply_tokens_inside_a_think_block(tokenizer):
     assert turns.reasoning_tokens(tokenizer, plain, ids("<think>") + body) == len(body)
     empty = ids("<|assistant|>\n<think>\n\n</think>\n\n")
     assert turns.reasoning_tokens(tokenizer, empty, body) == 0
+
+
+def test_tool_calls_are_the_tool_call_blocks_a_reply_opens(tokenizer):
+    """metrics/dataset.json `tool_calls`: the Hermes blocks (turns.TOOL_CALL_TAGS) the
+    verifier's replies hold, matched on text whatever the tokens."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    reply = tokenizer(f"Let me check.\n{call}\n{call}", add_special_tokens=False)["input_ids"]
+    assert turns.tool_calls(tokenizer, reply) == 2
+    assert turns.tool_calls(tokenizer, tokenizer("no call here", add_special_tokens=False)
+                            ["input_ids"]) == 0
 
 
 @pytest.mark.integration

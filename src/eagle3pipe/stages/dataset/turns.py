@@ -52,6 +52,9 @@ STAGE_REASONS = ("prompt_too_long",)  # the stage's own, beside conversations.RE
 # a reasoning block as DeepSeek-R1, Qwen3 and Kimi-K2.5 write it (vLLM's
 # vllm/reasoning/deepseek_r1_reasoning_parser.py: start_token, end_token)
 THINK_TAGS = ("<think>", "</think>")
+# a tool call in a reply: the Hermes format, which Qwen3's chat template asks a model to emit
+# and vLLM's hermes tool parser reads (vllm/tool_parsers/hermes_tool_parser.py)
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
 
 
 @dataclass
@@ -149,11 +152,11 @@ def answer(r: Read, v: Verifier, tokenizer, cfg: Any, settings: dict,
     """Every turn of every thread answered, depth by depth, with one engine (started only if
     the store lacks a reply) and a store lease on each depth's keys until the block ends:
     {"samples", "prompts", "keys", "finish", "by_depth", "stopped", "computed", "timing",
-    "new_tokens", "reasoning_tokens"}, the
+    "new_tokens", "reasoning_tokens", "tool_calls"}, the
     first four aligned, samples ordered by conversation, then depth."""
     rows: list[tuple[int, int, dict, Prompt, str, str]] = []
     by_depth: dict[str, int] = {}
-    stopped = new_tokens = reasoning = 0
+    stopped = new_tokens = reasoning = calls = 0
     order = {id(t): i for i, t in enumerate(r.threads)}
     with contextlib.ExitStack() as stack:
         replies = stack.enter_context(Replies(v, cfg, settings, progress=progress))
@@ -173,6 +176,7 @@ def answer(r: Read, v: Verifier, tokenizer, cfg: Any, settings: dict,
                 rows.append((order[id(t)], depth, s, p, k, f))
                 new_tokens += len(reply)
                 reasoning += reasoning_tokens(tokenizer, p.ids, reply)
+                calls += tool_calls(tokenizer, reply)
             by_depth[str(depth)] = len(prompts)
             log.info("depth %d: %d turns", depth, len(prompts))
             depth += 1
@@ -181,7 +185,7 @@ def answer(r: Read, v: Verifier, tokenizer, cfg: Any, settings: dict,
     return {"samples": [x[2] for x in rows], "prompts": [x[3] for x in rows],
             "keys": [x[4] for x in rows], "finish": [x[5] for x in rows],
             "by_depth": by_depth, "stopped": stopped, "computed": computed, "timing": timing,
-            "new_tokens": new_tokens, "reasoning_tokens": reasoning}
+            "new_tokens": new_tokens, "reasoning_tokens": reasoning, "tool_calls": calls}
 
 
 def reasoning_spans(text: str, open_at_start: bool) -> list[tuple[int, int]]:
@@ -201,6 +205,12 @@ def reasoning_spans(text: str, open_at_start: bool) -> list[tuple[int, int]]:
         if j < 0:
             return spans
         open_at, pos = None, j + len(end)
+
+
+def tool_calls(tokenizer, reply: list[int]) -> int:
+    """The tool calls the verifier generated in a reply: TOOL_CALL_TAGS blocks it opened
+    (matched on text; supervised like the rest of the reply)."""
+    return tokenizer.decode(reply, skip_special_tokens=False).count(TOOL_CALL_TAGS[0])
 
 
 def reasoning_tokens(tokenizer, prompt_ids: list[int], reply: list[int]) -> int:
@@ -253,4 +263,6 @@ def metrics(r: Read, done: dict, n_train: int, n_eval: int) -> dict:
         "new_tokens": done["new_tokens"],
         "reasoning_tokens": done["reasoning_tokens"],
         "reasoning_tags": list(THINK_TAGS),
+        "tool_calls": done["tool_calls"],
+        "tool_call_tags": list(TOOL_CALL_TAGS),
     }

@@ -334,12 +334,12 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
            threads: int, record_to: Path | None,
            agree: Callable[[int], int] = lambda n: n) -> Iterator[Callable[[list[str]], None]]:
     """While the trainer runs: the producer of `demand` (offline, None: nothing), fed by the
-    engine extract.endpoint names or by one started here with the manifest's numeric
-    settings and the run-only ones (`run`); before the producer starts, that engine passes the
-    extract stage's oracle on the first pack (oracle.check_engine; its metrics go to the
-    record as "oracle"). Yields release(keys), which the trainer calls
-    with each train pack's keys once it is done with them. On exit: what it computed, kept
-    and deleted, and how long the trainer waited, logged and written to `record_to`.
+    engine extract.endpoint names or by one started here with the manifest's numeric settings
+    and the run-only ones (`run`), which first passes the extract stage's oracle on the first
+    pack (oracle.check_engine; "oracle" in the record). Yields release(keys), which the
+    trainer calls with each train pack's keys once it is done with them. On exit: what it
+    computed, kept and deleted, and how long the trainer waited, logged and written to
+    `record_to`.
     `agree(n)`: the largest n over the run's ranks (a collective, so that every rank measures
     the store before any computes): the store's use, from which each budgets its share."""
     if demand is None:
@@ -361,9 +361,8 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
     hs = store.Store("hidden")
     used = agree(store.used_bytes()) if m.mode == "hybrid" else None
     # the lease first: from here no gc, other run's bound or cleanup removes an entry this run
-    # found in the store and will read (eagle3pipe.data.leases)
-    # torchrun's run id: every rank of this run shares its entries (one rank's online cleanup
-    # may remove what another will compute again), other runs' leases are kept
+    # found in the store and will read (eagle3pipe.data.leases); under torchrun's run id every
+    # rank shares its entries (one rank's cleanup may remove what another computes again)
     with leases.hold(store.root(), {hs.kind: demand.tokens},
                      run=os.environ.get("TORCHELASTIC_RUN_ID")) as lease:
         needed = not all(hs.has(k) for k in demand.tokens)  # a hybrid rerun: no engine starts
@@ -381,8 +380,14 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
                 yield p.release
             finally:
                 stats = p.close()
-    if checked is not None:
-        stats["oracle"] = checked
+    _report(m, run, needed, stats | ({"oracle": checked} if checked is not None else {}),
+            record_to)
+
+
+def _report(m: Manifest, run: RunSettings, needed: bool, stats: dict,
+            record_to: Path | None) -> None:
+    """What the producer computed, kept and deleted and how long the trainer waited: logged,
+    and written to `record_to`."""
     engine = (run.endpoint or "engine in this stage") if needed else \
         "no engine started: every sample was in the store"
     log.info("%s: computed %d samples' hidden states (%s), read %d from the store, kept %d "
@@ -393,4 +398,3 @@ def supply(demand: Demand | None, verifier_dir: str | Path, run: RunSettings | N
         from eagle3pipe.runtime.jsonio import write_json
 
         write_json(record_to, stats)
-

@@ -134,7 +134,6 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     aux = list(spec.aux_layer_ids)
     log.info("verifier %s: %d layers, H=%d; vLLM captures aux %s + pre-norm final, stored as "
              "%s", v.model_dir, v.info.num_hidden_layers, v.info.hidden_size, aux, e.dtype)
-    out_dir = Path(out_dir)
     layer_ids = spec.layer_ids
     recorded = numeric(settings, v.model_dir)  # what the keys, manifest and metrics hold
     keys = {name: sample_keys(v.fingerprint, [s.input_ids for s in ss], layer_ids,
@@ -144,13 +143,13 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     # the oracle's memory is judged before the engine starts; its samples are checked once vLLM
     # has handed the last of them over (in the first batch), before they are stored
     oracle = Oracle(v, splits["train"], keys["train"], aux, e)
-    # on demand (online, hybrid) the train stage captures the samples; here only the oracle's
-    on_demand = e.mode != "offline"
-    capture = {n: ss[:oracle.n] if on_demand and n == "train" else [] if on_demand else ss
+    # on demand (online, hybrid) the train stage captures the samples; here the oracle's only
+    on_demand, upto = e.mode != "offline", max(oracle.chosen, default=-1) + 1
+    capture = {n: ss[:upto] if on_demand and n == "train" else [] if on_demand else ss
                for n, ss in splits.items()}
     # no gc or other run's bound removes an entry this run reads until its output links it
     with leases.hold(store.root(), {"hidden": [k for ks in keys.values() for k in ks]}):
-        with atomic_dir(out_dir) as tmp:
+        with atomic_dir(Path(out_dir)) as tmp:
             seconds, computed = _capture_missing(v, capture, keys, hs, layer_ids, tmp, settings, e,
                                                  progress, oracle, Path(dataset_dir))
             linked = 0
@@ -177,7 +176,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
              store.root(), len(computed), total - len(computed), linked,
              f" ({e.mode}: the train stage computes the rest)" if on_demand else "")
     store.enforce_bound()
-    return _metrics(out_dir, spec, counts, seconds, settings, recorded, e, oracle)
+    return _metrics(Path(out_dir), spec, counts, seconds, settings, recorded, e, oracle)
 
 
 def _read_splits(v: Verifier, dataset_dir: Path) -> dict[str, list[Sample]]:

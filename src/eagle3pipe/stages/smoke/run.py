@@ -245,11 +245,10 @@ def measure(s, settings: dict, *, template_kwargs: dict, export_dir: str | Path,
             plots_path: str | Path, outputs: Outputs | None = None, progress: bool = True,
             at: ParamsAt = ParamsAt()) -> dict:
     """Runs the smoke test; `s` is the params' `smoke` section, `settings` the `vllm:` one
-    (engine.settings_of), `template_kwargs` dataset.chat_template_kwargs (the prompts are
-    rendered as the dataset stage rendered its own), `dataset_dir` and `train_metrics` the dataset stage's output and the
-    trainer's metrics file (the agreement check). Writes the plot data (and the timing file
-    when `outputs` names one) and returns the metrics; raises SmokeError (with .metrics) when a
-    check fails."""
+    (engine.settings_of), `template_kwargs` dataset.chat_template_kwargs (the prompts rendered
+    as the dataset stage's), `dataset_dir` and `train_metrics` the dataset stage's output and
+    the trainer's metrics file (the agreement check). Writes the plot data (and the timing
+    file when `outputs` names one); the metrics, or SmokeError (with .metrics)."""
     t_stage = time.perf_counter()
     engine.environment(settings)  # before anything imports vLLM
     seed_everything(s.seed, s.threads)
@@ -288,8 +287,7 @@ def measure(s, settings: dict, *, template_kwargs: dict, export_dir: str | Path,
     out = outputs or Outputs(Path(plots_path))
     write_json(out.plots, plot_rows(results))
     timing = timing_of(s, inp, m, swept=SWEPT, stage_seconds=time.perf_counter() - t_stage,
-                       metrics_sha256=hashlib.sha256(
-                           dumps(metrics).encode()).hexdigest())
+                       metrics_sha256=hashlib.sha256(dumps(metrics).encode()).hexdigest())
     # the per-k plots hold every k of the sweep, or the serving k alone (smoke.k_sweep: []):
     # dvc.yaml declares the acceptance one as an output, so it is always written
     by_k = sweep or {str(inp.k): {n: results[n] for n in SWEPT}}

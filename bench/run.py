@@ -3,10 +3,11 @@ side, interleaved and repeated in this one run (best of N after a warm-up), at a
 count, so that a noisy machine moves both sides alike. Writes bench/results.json (canonical JSON),
 bench/scaling.tsv and bench/scaling.png, and prints a table. See bench/README.md.
 
-    python bench/run.py                  # full run (~14 min on a quiet 2-core machine; the cold
-                                         # default repro is half of it)
+    python bench/run.py                  # full run (~14 min on a quiet 2-core machine, the cold
+                                         # default repro half of it; conversations ~35 min more)
     python bench/run.py --quick          # micro sizes only (a few minutes), results marked quick
-    python bench/run.py --only extract,train
+    python bench/run.py --only extract,train   # sections: extract, train, dvc, e2e, scaling,
+                                               # conversations
     python bench/run.py --skip-e2e       # reuse the previous run's cold repro figures
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from common import (ROOT, THREADS, cpu_meter, load_json, log, machine, now_iso, 
                     random_verifier, rnd, set_threads, synthetic_samples)
 from tests.helpers.pipeline import MICRO_PARAMS, STAGES  # noqa: E402 (the repo root: common)
 
-SECTIONS = ("extract", "train", "dvc", "e2e", "scaling")
+SECTIONS = ("extract", "train", "dvc", "e2e", "scaling", "conversations")
 DEFAULT_PARAMS = ROOT / "params.yaml"
 
 # what each mode measures; the targets are the issue's
@@ -33,19 +34,25 @@ MODES = {
     "quick": dict(extract_repeats=5, n_samples=128, len_range=(64, 256), train_batch_tokens=1024,
                   train_packs=2, train_repeats=3, dvc_repeats=3,
                   scaling=dict(hiddens=(64, 128), seq_lens=(128, 512), vocab=512, tokens=2048,
-                               batch_tokens=512, n_packs=2, repeats=2)),
+                               batch_tokens=512, n_packs=2, repeats=2),
+                  conversations=dict(n=200, memory_sizes=[50, 200], repeats=2, max_repeats=3)),
     "full": dict(extract_repeats=3, n_samples=256, len_range=(128, 384), train_batch_tokens=None,
                  train_packs=4, train_repeats=3, dvc_repeats=5,
                  scaling=dict(hiddens=(64, 128, 256), seq_lens=(128, 512), vocab=4096,
-                              tokens=16384, batch_tokens=2048, n_packs=3, repeats=2)),
+                              tokens=16384, batch_tokens=2048, n_packs=3, repeats=2),
+                 conversations=dict(n=10_000, memory_sizes=[1_000, 10_000], repeats=2,
+                                    max_repeats=2)),
 }
 TARGETS = {
     "extract_vs_forward": (">=", 0.9),
     "train_vs_speculators_step": (">=", 1.0),
     "noop_repro_vs_status": ("<=", 1.2),
+    "conversations_stage_vs_bare_generate": (">=", 0.9),
+    "conversations_memory_ratio": ("<=", 1.1),  # the issue: ~1, not growing with N
 }
 HEADLINES = ("extract_vs_forward", "bytes_per_token_vs_min", "train_vs_speculators_step",
-             "noop_repro_vs_status", "cold_repro_seconds", "smoke_mean_acceptance_length")
+             "noop_repro_vs_status", "cold_repro_seconds", "smoke_mean_acceptance_length",
+             "conversations_stage_vs_bare_generate", "conversations_memory_ratio")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +180,17 @@ def run_e2e(quick: bool, work: Path, out: dict, cache: dict, rebuild: bool) -> N
     out["e2e"] = res
 
 
+def run_conversations(quick: bool, work: Path, out: dict) -> None:
+    """The dataset stage on a synthetic multi-turn source vs a bare vLLM generate of the same
+    prompts, and its memory at two source sizes (bench/conversations.py)."""
+    import conversations
+
+    c = MODES["quick" if quick else "full"]["conversations"]
+    out["conversations"] = conversations.measure(
+        c["n"], c["memory_sizes"], work / "conversations", repeats=c["repeats"],
+        max_repeats=c["max_repeats"])
+
+
 def run_scaling(quick: bool, work: Path, out: dict) -> None:
     import compute
     from eagle3pipe.config import params
@@ -223,6 +241,11 @@ def headline(res: dict, prev_note: dict) -> dict:
             sec_src("train"))
     if "dvc" in res:
         put("noop_repro_vs_status", res["dvc"]["noop_repro_vs_status"], sec_src("dvc"))
+    if "conversations" in res:
+        put("conversations_stage_vs_bare_generate",
+            res["conversations"]["stage_vs_bare_generate"], sec_src("conversations"))
+        put("conversations_memory_ratio", res["conversations"].get("stage_memory_ratio"),
+            sec_src("conversations"))
     cold = (res.get("e2e") or {}).get("cold")
     if cold:
         put("cold_repro_seconds", cold["make_repro_s"], sec_src("e2e"))
@@ -297,6 +320,7 @@ def table(res: dict) -> str:
             lines.append(f"{name} tokens/s (best of {sec['rounds']}, {sec['tokens']} tokens, "
                          f"{sec.get('verifier', '')}):")
             lines.append("  " + ", ".join(f"{k} {v:g}" for k, v in sec[key].items()))
+    lines += conversations_lines(res)
     sc = res.get("scaling")
     if sc:
         lines.append("")
@@ -306,6 +330,15 @@ def table(res: dict) -> str:
                          f"{r['extract_tokens_per_s']:13.0f}  {r['extract_vs_forward']:6.3f}  "
                          f"{r['train_tokens_per_s']:11.0f}  {r['train_vs_speculators_step']:7.3f}")
     return "\n".join(lines)
+
+
+def conversations_lines(res: dict) -> list[str]:
+    conv = (res.get("conversations") or {}).get("speed")
+    if not conv:
+        return []
+    return ["", f"conversations: {conv['conversations']} ({conv['samples']} turns, "
+            f"{conv['generated_tokens']} generated tokens), tokens/s best of {conv['rounds']}: "
+            + ", ".join(f"{k} {v:g}" for k, v in conv["tokens_per_s"].items())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             run_e2e(args.quick, work, res, cache, args.e2e_rebuild)
         if "scaling" in which:
             run_scaling(args.quick, work, res)
+        if "conversations" in which:
+            run_conversations(args.quick, work, res)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -380,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                 if share is not None and share > 0.15 else None)
     res["busy_warning"] = "; ".join(x for x in (busy and f"at start: {busy}", busy_end)
                                     if x) or None
+    if "conversations" in which:  # the top-level machine facts describe only the latest run
+        res["conversations"]["machine"] = {k: res[k] for k in (
+            "cpu_model", "cpu_count", "loadavg_at_start", "other_processes_cpu_share")}
     missing = [k for k in HEADLINES if res.get(k) is None]
     if missing:
         log(f"not measured (run those sections): {missing}")

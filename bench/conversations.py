@@ -1,0 +1,398 @@
+"""The dataset stage at scale (issue 34): a seeded synthetic source of N multi-turn conversations
+(`messages` JSONL), answered turn by turn by the stage's own code path, against a bare vLLM
+`generate` of exactly the same prompts, in one process with one engine (the micro embedded
+verifier); and the stage's peak host memory at two source sizes.
+
+Speed (interleaved rounds, one warm-up, best of N, as common.interleave):
+  stage        eagle3pipe.stages.dataset.run.build on the source: read and normalise it, render
+               and fit every turn's prompt with the chat template, generate dataset.batch_size
+               prompts per engine call by turn depth (replies.Replies), store every reply in a
+               fresh per-sample store, assemble samples, count reasoning tokens, compare every
+               prompt with vLLM's chat rendering (served.check), split, write train/eval.jsonl
+               and store_keys.json, store bookkeeping. The engine is the shared one
+               (eagle3pipe.engines.engine.engine is patched to yield it): no engine start.
+  bare         one LLM.generate per turn depth over all that depth's prompts: the prompt ids
+               the stage rendered (captured from its warm-up run), the stage's SamplingParams
+               (greedy, max_tokens = dataset.max_new_tokens, its seed).
+  bare_batches the same, dataset.batch_size prompts per generate call, as the stage chunks:
+               separates the chunking's cost from the stage's own work around the engine.
+tokens/s counts generated tokens (both sides generate the same ones: greedy, same prompts).
+
+Memory: one child process per size (a fresh heap each): the engine started, a small warm-up run
+of the stage, then the resident-memory high-water mark reset (/proc/self/clear_refs: 5) and the
+stage run on the source of that size. `stage_rss_peak_mb` = VmHWM - VmRSS before the run: what
+the run adds on top of the running engine and the imports, as the OS counts it (memory freed
+but kept by the allocator counts). Then the same for a bare generate of the same prompts (the
+engine's own part), and (--traced) the tracemalloc peak of a second stage run: the Python
+objects alive at once (conversations, prompts, samples; also vLLM's: its engine core runs in
+this process). Ratios of the larger size's figure to the smaller's: ~1 where memory does not
+grow with the number of conversations.
+
+    python bench/conversations.py --n 10000 --memory-n 1000 10000 --traced  # the issue's sizes
+    python bench/run.py --only conversations                        # the same, into results.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (ROOT, THREADS, interleave, log, rnd, set_threads,  # noqa: E402
+                    speed_ratio, timing_summary)
+
+# the stage's settings for the synthetic source: every turn's prompt fits (max_prompt_tokens)
+# and every reply can run to max_new_tokens; batch_size is the default params.yaml's
+STAGE = dict(format="messages", max_turns=None, chat_template_kwargs={}, max_prompt_tokens=96,
+             max_new_tokens=16, max_seq_len=128, batch_size=64, eval_fraction=0.1,
+             on_bad_input="skip", seed=0, snippet_lines=[4, 12], snippet_max_chars=600)
+NAMES = ("add", "scale", "parse", "load", "merge", "split", "walk", "count", "fold", "emit")
+MODULES = ("os", "sys", "json", "re", "math", "time", "random", "shutil", "typing", "pathlib")
+
+
+def user_turn(rng: random.Random, i: int, depth: int) -> str:
+    """A short code-like user turn; the first one names the conversation's index, so that no
+    two conversations share a prompt (the store would answer a repeated prompt once)."""
+    name = f"{rng.choice(NAMES)}_{i}" if depth == 1 else rng.choice(NAMES)
+    forms = [f"def {name}(a, b):", f"class {name.title()}:", f"{name} = {rng.randint(0, 999)}"]
+    if depth > 1:
+        forms += [f"import {rng.choice(MODULES)}", f"for {name} in range({rng.randint(2, 99)}):"]
+    return rng.choice(forms)
+
+
+def write_source(path: Path, n: int, seed: int = 0) -> dict:
+    """n conversations in the messages format: 2 or 3 user turns, each followed by a dataset
+    reply (the stage drops it and answers with the verifier), a system message in about a third
+    of them. Returns {conversations, user_turns}."""
+    rng = random.Random(seed)
+    turns = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for i in range(n):
+            msgs = [{"role": "system", "content": "You write Python."}] if rng.random() < 0.33 \
+                else []
+            for d in range(1, rng.choice((2, 3)) + 1):
+                msgs += [{"role": "user", "content": user_turn(rng, i, d)},
+                         {"role": "assistant", "content": "    pass"}]
+                turns += 1
+            fh.write(json.dumps({"messages": msgs}) + "\n")
+    return {"conversations": n, "user_turns": turns}
+
+
+def stage_cfg(source: Path, n: int, **override) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{**STAGE, "source": str(source), "num_samples": n, **override})
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine, the stage, the bare generate
+
+
+def micro_verifier(out: Path) -> Path:
+    """The tests' micro embedded verifier (tests/helpers/micro.py MICRO_EMBEDDED), built once."""
+    from eagle3pipe.verifier import embedded
+    from tests.helpers.micro import MICRO_EMBEDDED
+
+    if not (out / "model.safetensors").is_file():
+        embedded.build(types.SimpleNamespace(**MICRO_EMBEDDED), out, progress=False)
+    return out
+
+
+def settings() -> dict:
+    from tests.helpers.micro import engine_settings  # tests/micro/params.yaml's vllm section
+
+    return engine_settings()
+
+
+@contextlib.contextmanager
+def shared_engine(settings_: dict, vdir: Path):
+    """One vLLM engine for the block; inside it, eagle3pipe.engines.engine.engine yields that
+    engine (and leaves it running), so the stage's Replies uses it without an engine start."""
+    from eagle3pipe.engines import engine
+
+    with engine.engine(settings_, vdir, tokenizer=vdir) as llm:
+        original = engine.engine
+
+        @contextlib.contextmanager
+        def reuse(*_a, **_k):
+            yield llm
+
+        engine.engine = reuse
+        try:
+            yield llm
+        finally:
+            engine.engine = original
+
+
+@contextlib.contextmanager
+def captured_answers():
+    """Records the return value of each turns.answer call the stage makes (its prompts)."""
+    from eagle3pipe.stages.dataset import turns
+
+    got: list[dict] = []
+    original = turns.answer
+
+    def answer(*a, **k):
+        got.append(original(*a, **k))
+        return got[-1]
+
+    turns.answer = answer
+    try:
+        yield got
+    finally:
+        turns.answer = original
+
+
+def run_stage(cfg, settings_: dict, vdir: Path, work: Path) -> dict:
+    """One run of the dataset stage's build on a fresh, empty per-sample store (every reply is
+    generated), in `work` (no git repository: the store's bound check finds no references);
+    output and store are removed afterwards, outside the timing. {seconds, metrics, done}."""
+    from eagle3pipe.runtime import environment
+    from eagle3pipe.stages.dataset import run as dataset
+
+    work.mkdir(parents=True, exist_ok=True)
+    store_dir = Path(tempfile.mkdtemp(prefix="store-", dir=work))
+    old_store, old_cwd = os.environ.get(environment.STORE), os.getcwd()
+    os.environ[environment.STORE] = str(store_dir)
+    os.chdir(work)
+    try:
+        with captured_answers() as got:
+            t0 = time.perf_counter()
+            metrics = dataset.build(cfg, settings_, vdir, work / "dataset", progress=False,
+                                    record_to=work / "dataset_store.json")
+            seconds = time.perf_counter() - t0
+    finally:
+        os.chdir(old_cwd)
+        if old_store is None:
+            os.environ.pop(environment.STORE, None)
+        else:
+            os.environ[environment.STORE] = old_store
+        shutil.rmtree(store_dir, ignore_errors=True)
+        shutil.rmtree(work / "dataset", ignore_errors=True)
+    return {"seconds": seconds, "metrics": metrics, "done": got[-1]}
+
+
+def prompts_by_depth(done: dict) -> list[list[list[int]]]:
+    """The stage's prompt ids per turn depth, in the order the stage generated them
+    (conversation order within a depth)."""
+    depths: dict[int, list[list[int]]] = {}
+    for p in done["prompts"]:
+        depths.setdefault(int(p.source.rpartition("#")[2]), []).append(list(p.ids))
+    return [depths[d] for d in sorted(depths)]
+
+
+def bare_generate(llm, depths: list[list[list[int]]], cfg, chunk: int | None = None) -> dict:
+    """LLM.generate of the given prompt ids, depth after depth, `chunk` prompts per call (None:
+    a depth in one call), with the stage's SamplingParams. {seconds, new_tokens}."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    t0, new = time.perf_counter(), 0
+    for prompts in depths:
+        step = chunk or len(prompts)
+        for c in range(0, len(prompts), step):
+            outs = llm.generate([TokensPrompt(prompt_token_ids=ids)
+                                 for ids in prompts[c:c + step]], sampling, use_tqdm=False)
+            new += sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": time.perf_counter() - t0, "new_tokens": new}
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed
+
+
+def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
+                  max_repeats: int | None = None) -> dict:
+    """stage vs bare generate vs bare generate in the stage's batches on one source of n
+    conversations, on the running engine `llm` (shared_engine); the stage's first run is its
+    warm-up and gives the prompts."""
+    s, src = settings(), work / "conversations.jsonl"
+    info = write_source(src, n)
+    cfg = stage_cfg(src, n)
+    log(f"conversations: {n} conversations ({info['user_turns']} user turns), stage warm-up")
+    first = run_stage(cfg, s, vdir, work / "stage")
+    depths = prompts_by_depth(first["done"])
+    runs: dict[str, list[dict]] = {"stage": [], "bare": [], "bare_batches": []}
+
+    def stage():
+        runs["stage"].append(run_stage(cfg, s, vdir, work / "stage"))
+        return runs["stage"][-1]["seconds"]
+
+    def bare(chunk=None, name="bare"):
+        runs[name].append(bare_generate(llm, depths, cfg, chunk))
+        return runs[name][-1]["seconds"]
+
+    fns = {"stage": stage, "bare": bare,
+           "bare_batches": lambda: bare(cfg.batch_size, "bare_batches")}
+    bare_generate(llm, [d[:cfg.batch_size] for d in depths], cfg)  # the bare path's warm-up
+    log(f"conversations: timing {list(fns)}, {repeats}+ interleaved rounds")
+    times = interleave(fns, repeats, warmup=0, max_repeats=max_repeats)
+    new = first["done"]["new_tokens"]
+    best_stage = min(runs["stage"], key=lambda r: r["seconds"])
+    return {
+        **info, "turns_by_depth": first["metrics"]["turns_by_depth"],
+        "samples": first["metrics"]["samples"], "generated_tokens": new,
+        "bare_generated_tokens": sorted({r["new_tokens"] for k in ("bare", "bare_batches")
+                                         for r in runs[k]}),
+        "prompt_tokens": sum(len(p) for d in depths for p in d),
+        "rounds": len(times["stage"]),
+        "tokens_per_s": {k: rnd(new / min(v)) for k, v in times.items()},
+        "stage_vs_bare_generate": rnd(speed_ratio(times["stage"], times["bare"])),
+        "stage_vs_bare_same_batches": rnd(speed_ratio(times["stage"], times["bare_batches"])),
+        "bare_batches_vs_bare": rnd(speed_ratio(times["bare_batches"], times["bare"])),
+        "stage_best_run_generate_s": best_stage["done"]["timing"]["generate_s"],
+        "timings": {k: timing_summary(v) for k, v in times.items()},
+        "settings": {k: STAGE[k] for k in ("max_prompt_tokens", "max_new_tokens", "batch_size")},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def _status_kb(field: str) -> int:
+    return next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith(field + ":"))
+
+
+@contextlib.contextmanager
+def rss_peak(into: dict, key: str):
+    """into[key]: MB by which VmHWM rose above VmRSS at entry during the block; the high-water
+    mark is reset to the current RSS first (/proc/self/clear_refs: 5), else None."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        ok = True
+    except OSError:
+        ok = False
+    base = _status_kb("VmRSS")
+    yield
+    into[key] = rnd((_status_kb("VmHWM") - base) / 1024) if ok else None
+    into.setdefault("rss_before_mb", rnd(base / 1024))
+
+
+def memory_at(llm, vdir: Path, n: int, work: Path, traced: bool = True) -> dict:
+    """On the running engine `llm`, after a small warm-up run of the stage: the stage's
+    resident-memory peak above the engine at n conversations, the bare generate's for the same
+    prompts, and (traced) the tracemalloc peak of a second stage run: its Python objects."""
+    import gc
+    import tracemalloc
+
+    s, warm_src, src = settings(), work / "warm.jsonl", work / "conversations.jsonl"
+    write_source(warm_src, 8, seed=1)
+    write_source(src, n)
+    out: dict = {"conversations": n}
+    run_stage(stage_cfg(warm_src, 8), s, vdir, work / "stage")  # imports, caches, renderer
+    gc.collect()
+    t0 = time.perf_counter()
+    with rss_peak(out, "stage_rss_peak_mb"):
+        done = run_stage(stage_cfg(src, n), s, vdir, work / "stage")["done"]
+    out["stage_s"] = rnd(time.perf_counter() - t0)
+    depths = prompts_by_depth(done)
+    del done
+    gc.collect()
+    with rss_peak(out, "bare_rss_peak_mb"):
+        bare_generate(llm, depths, stage_cfg(src, n))
+    if traced:
+        gc.collect()
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        run_stage(stage_cfg(src, n), s, vdir, work / "stage")
+        out["stage_tracemalloc_peak_mb"] = rnd(tracemalloc.get_traced_memory()[1] / 2 ** 20)
+        out["stage_traced_s"] = rnd(time.perf_counter() - t0)
+        tracemalloc.stop()
+    return out
+
+
+def child(vdir: Path, n: int, work: Path, traced: bool) -> dict:
+    """memory_at in a child process (a fresh heap) with an engine of its own."""
+    work.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run([sys.executable, __file__, "--memory-child", "--n", str(n),
+                        "--verifier", str(vdir), "--workdir", str(work),
+                        *(["--traced"] if traced else [])],
+                       capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        raise RuntimeError(f"memory child at n={n} failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def memory_ratios(rows: list[dict], how: str) -> dict:
+    """The rows (ascending sizes) and largest / smallest of each figure."""
+    lo, hi = rows[0], rows[-1]
+
+    def ratio(key):
+        return rnd(hi[key] / lo[key]) if hi.get(key) and lo.get(key) else None
+
+    return {"rows": rows, "sizes": [r["conversations"] for r in rows], "how": how,
+            "stage_rss_peak_ratio": ratio("stage_rss_peak_mb"),
+            "stage_tracemalloc_peak_ratio": ratio("stage_tracemalloc_peak_mb"),
+            "bare_rss_peak_ratio": ratio("bare_rss_peak_mb"),
+            "what": "VmHWM - VmRSS before the run (high-water mark reset via "
+                    "/proc/self/clear_refs), engine running and warm"}
+
+
+def measure(n: int, memory_sizes: list[int], work: Path, *, repeats: int = 2,
+            max_repeats: int | None = None, verifier: Path | None = None,
+            in_process: bool = False, traced: bool = True) -> dict:
+    """The section's figures: speed at n conversations; memory at memory_sizes (may be []),
+    each size in a child process of its own (in_process: on this process's engine after the
+    speed runs, smallest first: cheaper, but later sizes reuse the heap earlier runs grew)."""
+    vdir = verifier or micro_verifier(work / "verifier")
+    res = {"verifier": "micro embedded verifier (tests/helpers/micro.py, H=64, 4 layers)"}
+    with shared_engine(settings(), vdir) as llm:
+        res["speed"] = measure_speed(llm, vdir, n, work / "speed", repeats, max_repeats)
+        rows = [memory_at(llm, vdir, m, work / f"mem-{m}", traced)
+                for m in (memory_sizes if in_process else [])]
+    for m in ([] if in_process else memory_sizes):
+        log(f"conversations: memory at {m} conversations (a child process)")
+        rows.append(child(vdir, m, work / f"mem-{m}", traced))
+    res["stage_vs_bare_generate"] = res["speed"]["stage_vs_bare_generate"]
+    if rows:
+        res["memory"] = memory_ratios(rows, "this process" if in_process
+                                      else "a child process per size")
+        res["stage_memory_ratio"] = res["memory"]["stage_rss_peak_ratio"]
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=10_000, help="conversations timed (speed)")
+    ap.add_argument("--memory-n", type=int, nargs="*", default=[1_000, 10_000],
+                    help="source sizes of the memory children (none: no memory figures)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds, at least")
+    ap.add_argument("--max-repeats", type=int, default=None, help="at most (3 x repeats)")
+    ap.add_argument("--verifier", type=Path, default=None, help="a built micro verifier dir")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--traced", action="store_true",
+                    help="also the tracemalloc peak of the stage's Python objects (slow)")
+    ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    set_threads(THREADS)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="eagle3pipe-conv-"))
+    if args.memory_child:
+        with shared_engine(settings(), args.verifier) as llm:
+            print(json.dumps(memory_at(llm, args.verifier, args.n, work, args.traced)))
+        return 0
+    try:
+        res = measure(args.n, args.memory_n, work, repeats=args.repeats,
+                      max_repeats=args.max_repeats, verifier=args.verifier,
+                      traced=args.traced)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(res, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

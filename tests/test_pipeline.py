@@ -48,11 +48,11 @@ def test_cold_run_executes_every_stage_and_then_nothing(micro):
 
 
 # read only on another branch of the micro config: a JSONL source's bad-line policy, the hash mode
-# of an external verifier checkpoint, multi-GPU-only settings
+# of an external verifier checkpoint, multi-GPU-only settings, a smoke prompts file's format
 # read only in some settings; extract.endpoint is declared by extract's section and read by the
 # train stage's engine in online/hybrid modes (a run-only setting, config.view.RunSettings)
 CONDITIONAL = {"dataset.on_bad_input", "verifier.hash_mode", "train.rdzv_endpoint",
-               "extract.endpoint"}
+               "extract.endpoint", "smoke.prompts_format"}
 
 
 def test_no_stage_declares_a_key_it_never_reads(micro):

@@ -323,6 +323,17 @@ def _edited(src: Path, out: Path, edit) -> Verifier:
     return Verifier(out)
 
 
+def _planted(micro_verifier: Path, where: Path, edit):
+    """The micro verifier's oracle fed the states of a copy changed by `edit`: (the verifier,
+    the samples, those states, the oracle's error message)."""
+    samples = rows(2)
+    got = states(_edited(micro_verifier, where, edit), samples)
+    v = Verifier(micro_verifier)
+    with pytest.raises(ExtractError) as e:
+        oracle.oracle_check(v, samples, got.__getitem__, AUX, section(oracle_samples=2))
+    return v, samples, got, str(e.value)
+
+
 def test_a_changed_layer_fails_its_segment_only(micro_verifier, tmp_path):
     """States of a verifier whose layer 2 differs from the file's (its down_proj x 1.5): the
     one segment through layer 2 fails, the segments before and after it agree."""
@@ -331,13 +342,7 @@ def test_a_changed_layer_fails_its_segment_only(micro_verifier, tmp_path):
         t["model.layers.2.mlp.down_proj.weight"] *= 1.5
         save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
 
-    other = _edited(micro_verifier, tmp_path / "changed", scale)
-    samples = rows(2)
-    got = states(other, samples)
-    v = Verifier(micro_verifier)
-    with pytest.raises(ExtractError) as e:
-        oracle.oracle_check(v, samples, got.__getitem__, AUX, section(oracle_samples=2))
-    msg = str(e.value)
+    v, samples, got, msg = _planted(micro_verifier, tmp_path / "changed", scale)
     assert failing_slots(msg) == ["layer_input_3"], msg
     assert "(its segment: vLLM's layer_input_2 through layers 2..2;" in msg
     m = oracle.oracle_check(v, samples, got.__getitem__, AUX,
@@ -359,13 +364,7 @@ def test_a_config_field_one_side_ignores_fails_where_it_counts(micro_verifier, t
         cfg["rope_parameters"]["rope_theta"] = 100.0
         (d / "config.json").write_text(json.dumps(cfg))
 
-    other = _edited(micro_verifier, tmp_path / "theta", theta)
-    samples = rows(2)
-    got = states(other, samples)
-    v = Verifier(micro_verifier)
-    with pytest.raises(ExtractError) as e:
-        oracle.oracle_check(v, samples, got.__getitem__, AUX, section(oracle_samples=2))
-    msg = str(e.value)
+    v, samples, got, msg = _planted(micro_verifier, tmp_path / "theta", theta)
     assert failing_slots(msg) == ["layer_input_1"], msg
     assert "(its segment: the token ids' embedding through layers 0..0;" in msg
     assert "a config field one of them ignores" in msg

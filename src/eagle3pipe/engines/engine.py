@@ -180,6 +180,26 @@ def engine(settings: dict[str, Any], model_dir: str | Path, *,
         yield llm
 
 
+def finished(llm, prompts: list[list[int]], sampling) -> Iterator[tuple[int, Any]]:
+    """(index into `prompts`, vLLM's RequestOutput) of each prompt as its generation finishes:
+    all are enqueued at once (LLM.enqueue) and the engine is stepped as LLM.generate steps it
+    (vllm/entrypoints/common/offline.py: _run_engine), so vLLM's scheduler batches as many as
+    it runs at once (max_num_seqs) and a caller keeps each result the moment it exists.
+    Prompts are matched by their token ids: they must be distinct."""
+    from vllm.inputs import TokensPrompt
+
+    index = {tuple(ids): i for i, ids in enumerate(prompts)}
+    if len(index) != len(prompts):
+        raise EngineError("engine.finished: the same prompt twice (answer each one once)")
+    llm.enqueue([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], sampling,
+                use_tqdm=False)
+    engine_ = llm.llm_engine
+    while engine_.has_unfinished_requests():
+        for out in engine_.step():
+            if out.finished:
+                yield index[tuple(out.prompt_token_ids)], out
+
+
 class Engines:
     """The engines of one `engines()` block: `start` one more, `stop` one before the block ends."""
 

@@ -68,23 +68,23 @@ class Replies:
             ) -> tuple[list[list[int]], list[str]]:
         """(token ids, finish reasons) of the replies to `prompts`, whose store keys are `keys`
         (reply_keys). Token ids are exactly what the verifier produced, ending with its stop
-        token if it stopped. The replies the store lacks are generated dataset.batch_size
-        prompts per engine call and stored as each call finishes (a repeated key once)."""
+        token if it stopped. The replies the store lacks go to the engine dataset.batch_size
+        at a time (engine.finished: vLLM batches as many as it runs at once) and each is stored
+        the moment it finishes, so a crash loses only the replies in flight (a repeated key is
+        generated once)."""
         todo = list({k: i for i, k in enumerate(keys) if not self.store.has(k)}.values())
         if todo:
             llm = self._engine()
-            from vllm.inputs import TokensPrompt
-
             t0 = time.perf_counter()
             bar = tqdm(total=len(todo), unit="prompt", desc=desc, disable=not self.progress)
             for c in range(0, len(todo), self.cfg.batch_size):
                 chunk = todo[c:c + self.cfg.batch_size]
-                outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i].ids)
-                                     for i in chunk], self._sampling, use_tqdm=False)
-                for i, o in zip(chunk, outs):
-                    self.store.put_json(keys[i], {"reply": list(o.outputs[0].token_ids),
-                                                  "finish": str(o.outputs[0].finish_reason)})
-                bar.update(len(chunk))
+                for j, out in engine.finished(llm, [prompts[i].ids for i in chunk],
+                                              self._sampling):
+                    self.store.put_json(keys[chunk[j]], {
+                        "reply": list(out.outputs[0].token_ids),
+                        "finish": str(out.outputs[0].finish_reason)})
+                    bar.update(1)
             bar.close()
             self.timing["generate_s"] = round(self.timing["generate_s"]
                                               + time.perf_counter() - t0, 3)

@@ -40,7 +40,8 @@ class RenderingError(Error, ValueError):
 class Renderer:
     """vLLM's chat rendering for one model directory (config.json and tokenizer files), built
     once (vLLM's imports and the tokenizer load dominate) and reused for any number of
-    requests, outside a running event loop (each call runs one with asyncio.run). vLLM caches
+    requests, outside a running event loop (the calls share one event loop of the Renderer's
+    own, closed by close(): a loop per call costs more than the rendering). vLLM caches
     tokenizers by path for the process (tokenizers/registry.py `cached_get_tokenizer`): a
     directory whose tokenizer files change is read anew only by a new process."""
 
@@ -56,6 +57,8 @@ class Renderer:
             raise RenderingError(f"{self.model_dir}: vLLM cannot load its tokenizer: {e}",
                                  "save the tokenizer files (tokenizer.json, "
                                  "tokenizer_config.json) in the model directory") from None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fronts: dict[str, object] = {}
 
     @property
     def tokenizer(self):
@@ -72,38 +75,61 @@ class Renderer:
         --enable-auto-tool-choice; a tool parser acts after rendering and changes no id.
         Tool-call arguments given as objects are sent as JSON text, as the API requires
         (_wire_messages); vLLM parses them back into the same objects."""
+        return self.many_prompt_ids([(messages, tools)], chat_template_kwargs)[0]
+
+    def many_prompt_ids(self, requests: list[tuple[list[dict], list | None]],
+                        chat_template_kwargs: dict) -> list[list[int]]:
+        """prompt_ids of each (messages, tools) request, rendered concurrently in one pass of
+        the event loop, as a server renders the requests that arrive together (vLLM batches
+        their tokenization); the first request vLLM rejects raises RenderingError."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.exceptions import VLLMClientError
 
+        front = self._online(chat_template_kwargs)
+
+        async def render_all():
+            return await asyncio.gather(*(front.render_chat(ChatCompletionRequest(
+                model=self.model_dir, messages=_wire_messages(messages), tools=tools,
+                add_generation_prompt=True)) for messages, tools in requests))
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
         try:
-            request = ChatCompletionRequest(model=self.model_dir,
-                                            messages=_wire_messages(messages), tools=tools,
-                                            add_generation_prompt=True)
-            result = asyncio.run(self._online(chat_template_kwargs).render_chat(request))
+            results = self._loop.run_until_complete(render_all())
         except (ValueError, VLLMClientError) as e:
             raise RenderingError(f"{self.model_dir}: vLLM rejected the chat request: {e}",
                                  _TEMPLATE_FIX) from None
-        if isinstance(result, ErrorResponse):
-            raise RenderingError(f"{self.model_dir}: vLLM rejected the chat request: "
-                                 f"{result.error.message}", _TEMPLATE_FIX)
-        _, (engine_input,) = result
-        return list(engine_input["prompt_token_ids"])
+        out = []
+        for result in results:
+            if isinstance(result, ErrorResponse):
+                raise RenderingError(f"{self.model_dir}: vLLM rejected the chat request: "
+                                     f"{result.error.message}", _TEMPLATE_FIX)
+            _, (engine_input,) = result
+            out.append(list(engine_input["prompt_token_ids"]))
+        return out
 
     def close(self) -> None:
-        """Stops the renderer's tokenizer threads (BaseRenderer.shutdown)."""
+        """Stops the renderer's tokenizer threads (BaseRenderer.shutdown) and closes the event
+        loop."""
         self.renderer.shutdown()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
     def _online(self, chat_template_kwargs: dict):
         """vLLM's request front as init_render_app_state builds it from the server's flags:
         no --chat-template (the tokenizer's), content format "auto", no tool or reasoning
-        parser, `chat_template_kwargs` as --default-chat-template-kwargs. Cheap to build."""
+        parser, `chat_template_kwargs` as --default-chat-template-kwargs; one per kwargs."""
         from vllm.renderers.online_renderer import OnlineRenderer
 
-        return OnlineRenderer(self.vllm_config.model_config, self.renderer,
-                              request_logger=None, chat_template=None,
-                              chat_template_content_format="auto", enable_auto_tools=True,
-                              default_chat_template_kwargs=dict(chat_template_kwargs))
+        key = json.dumps(chat_template_kwargs, sort_keys=True, default=str)
+        if key not in self._fronts:
+            self._fronts[key] = OnlineRenderer(
+                self.vllm_config.model_config, self.renderer, request_logger=None,
+                chat_template=None, chat_template_content_format="auto",
+                enable_auto_tools=True, default_chat_template_kwargs=dict(chat_template_kwargs))
+        return self._fronts[key]
 
 
 def _wire_messages(messages: list[dict]) -> list[dict]:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from eagle3pipe.stages.dataset import run as dataset
-from eagle3pipe.stages.dataset import served, turns
+from eagle3pipe.stages.dataset import output, served, turns
+from eagle3pipe.data.samples import line
+from eagle3pipe.runtime.jsonio import dumps
 from eagle3pipe.data import conversations as conv
 from eagle3pipe.data import prompts as prompt_src
 from eagle3pipe.data.conversations import ConversationsError
@@ -498,7 +500,7 @@ def test_malformed_jsonl_lines_are_skipped_by_reason(micro_verifier, tokenizer, 
     f.write_bytes(b"\n".join([GOOD_LINE] + [c[1] for c in MALFORMED_JSONL]) + b"\n")
     c = conv_cfg(f, num_samples=100, max_seq_len=128, max_prompt_tokens=48)
     r = turns.read(c)
-    kept, prompts, stopped = turns.prompts_at(r, r.threads, 1, tokenizer, c, ParamsAt())
+    kept, prompts, stopped = turns.prompts_at(r, next(r.batches(1000)), 1, tokenizer, c, ParamsAt())
     assert [p.source for p in prompts] == [f"{f}:1#1"] and stopped == 0
     want = collections.Counter(case[2] for case in MALFORMED_JSONL)
     assert turns.skipped_by_reason(r) == {k: want[k] for k in sorted(
@@ -556,7 +558,7 @@ def test_tolerated_jsonl_variants(tokenizer, tmp_path):
     f.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + b"\r\n \t\r\n\r\n" + extra.encode() + b"\r\n")
     c = conv_cfg(f, on_bad_input="error")
     r = turns.read(c)
-    _, prompts, _ = turns.prompts_at(r, r.threads, 1, tokenizer, c, ParamsAt())
+    _, prompts, _ = turns.prompts_at(r, next(r.batches(1000)), 1, tokenizer, c, ParamsAt())
     assert [p.source for p in prompts] == [f"{f}:1#1", f"{f}:4#1"]
     assert prompts[1].messages == [{**USER, "name": "bob"}] and r.report.read == 2
 
@@ -634,18 +636,39 @@ def test_assemble_closed_and_cut_replies(tokenizer):
         tokenizer, closed["messages"], add_generation_prompt=False, template_kwargs={})
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 0.99])
+def test_the_streamed_split_writes_what_the_in_memory_split_gives(tmp_path, fraction):
+    """SplitWriter (the stage's, sample by sample) against split(): the same files and store
+    keys, including the moves that give each split a conversation (fractions 0.01 and 0.99
+    leave one split empty by the hash alone)."""
+    samples = [{"id": f"c.jsonl:{i}#{d}", "input_ids": [i, d], "loss_mask": [0, 1]}
+               for i in range(5) for d in range(1, i % 3 + 2)]
+    keys = {s["id"]: f"key-{n}" for n, s in enumerate(samples)}
+    with output.SplitWriter(tmp_path, fraction, 0, group=output.group_of) as w:
+        for s in samples:
+            w.add(s, keys[s["id"]])
+        counts = w.finish()
+    train, evals = output.split(samples, fraction, 0, group=output.group_of)
+    assert counts == (len(train), len(evals))
+    assert bool(evals) == (fraction > 0) and train
+    for name, want in (("train", train), ("eval", evals)):
+        assert (tmp_path / f"{name}.jsonl").read_text() == "".join(map(line, want))
+    assert (tmp_path / "store_keys.json").read_text() == dumps(
+        {"eval": [keys[s["id"]] for s in evals], "train": [keys[s["id"]] for s in train]})
+
+
 def test_split_is_deterministic_and_stable():
     samples = [{"id": f"s{i:03d}"} for i in range(200)]
-    train, evals = dataset.split(samples, 0.1, seed=0)
+    train, evals = output.split(samples, 0.1, seed=0)
     assert 5 < len(evals) < 40 and len(train) + len(evals) == 200
-    again = dataset.split(list(reversed(samples)), 0.1, seed=0)[1]
+    again = output.split(list(reversed(samples)), 0.1, seed=0)[1]
     assert {s["id"] for s in again} == {s["id"] for s in evals}
-    more = dataset.split(samples + [{"id": "new"}], 0.1, seed=0)[1]
+    more = output.split(samples + [{"id": "new"}], 0.1, seed=0)[1]
     assert {s["id"] for s in evals} <= {s["id"] for s in more}  # adding samples moves none
-    assert {s["id"] for s in dataset.split(samples, 0.1, seed=1)[1]} != {s["id"] for s in evals}
-    assert dataset.split(samples[:2], 0.01, seed=0)[1] != []  # at least one eval sample
-    assert len(dataset.split(samples[:2], 0.99, seed=0)[0]) == 1  # at least one train sample
-    assert dataset.split(samples, 0.0, seed=0)[1] == []
+    assert {s["id"] for s in output.split(samples, 0.1, seed=1)[1]} != {s["id"] for s in evals}
+    assert output.split(samples[:2], 0.01, seed=0)[1] != []  # at least one eval sample
+    assert len(output.split(samples[:2], 0.99, seed=0)[0]) == 1  # at least one train sample
+    assert output.split(samples, 0.0, seed=0)[1] == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,7 +744,7 @@ def test_a_rows_tools_reach_the_chat_template(micro_verifier, tmp_path):
                                        "tools": tools}])
     c = conv_cfg(f)
     r = turns.read(c)
-    _, (p,), _ = turns.prompts_at(r, r.threads, 1, tok, c, ParamsAt())
+    _, (p,), _ = turns.prompts_at(r, next(r.batches(1000)), 1, tok, c, ParamsAt())
     assert tok.decode(p.ids, skip_special_tokens=False).startswith("tools: weather<|user|>")
 
 

@@ -123,8 +123,9 @@ class DatasetParams:
     max_prompt_tokens: int = spec("prompt tokens kept per sample", min=1)
     max_new_tokens: int = spec("tokens the verifier regenerates per response", min=1)
     max_seq_len: int = spec("longest tokenized conversation", min=8)
-    batch_size: int = spec("prompts per engine call; each call's replies are stored as it "
-                           "finishes (a crash loses at most one call's)", min=1)
+    batch_size: int = spec("prompts (a conversation source: conversations) handed to the "
+                           "engine at once, each reply stored as it finishes; the stage "
+                           "holds one batch in memory", min=1)
     eval_fraction: float = spec("share of samples held out for draft evaluation", min=0.0)
     on_bad_input: str = spec("what a bad conversation row does", choices=("skip", "error"))
     seed: int = spec("sampling/split seed", min=0)

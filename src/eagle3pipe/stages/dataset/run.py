@@ -27,22 +27,21 @@ conversation's source for a conversation source: all its turns land in one split
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eagle3pipe.config.view import StageView
 from eagle3pipe.data import leases, store
 from eagle3pipe.data.prompts import Prompt, path_inside, stdlib_prompts
-from eagle3pipe.data.samples import write_jsonl
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import Error, ParamsAt
 from eagle3pipe.runtime.atomic import atomic_dir
-from eagle3pipe.runtime.jsonio import write_json
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.stages.dataset import served, turns
+from eagle3pipe.stages.dataset.output import SplitWriter, group_of
 from eagle3pipe.stages.dataset.replies import Replies, reply_keys
 from eagle3pipe.stages.runner import Paths
 from eagle3pipe.verifier.handle import Verifier
@@ -125,41 +124,6 @@ def _eos_ids(tokenizer) -> set[int]:
     return set() if eos is None else set(eos) if isinstance(eos, list) else {int(eos)}
 
 
-def split_of(sample_id: str, seed: int) -> float:
-    """A sample's position in [0, 1) for the split: a seeded hash of its id."""
-    h = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
-
-
-def group_of(sample_id: str) -> str:
-    """What a sample is split by: its conversation's source ("<source>#<depth>" -> "<source>"),
-    or the id itself when it has no depth (stdlib samples)."""
-    head, _, tail = sample_id.rpartition("#")
-    return head if head and tail.isdigit() else sample_id
-
-
-def split(samples: list[dict], eval_fraction: float, seed: int,
-          group: Callable[[str], str] = lambda i: i) -> tuple[list[dict], list[dict]]:
-    """Deterministic train/eval split by a hash of each sample's group (`group` of its id; the
-    id itself by default), stable when samples are added; a group's samples share a split.
-    With eval_fraction > 0 and at least 2 groups, eval and train each get at least one."""
-    keys: dict[str, float] = {}
-    for s in samples:
-        g = group(s["id"])
-        if g not in keys:
-            keys[g] = split_of(g, seed)
-    eval_ids = {i for i, k in keys.items() if k < eval_fraction}
-    if eval_fraction > 0 and len(keys) >= 2:
-        ranked = sorted(keys, key=lambda i: (keys[i], i))
-        if not eval_ids:
-            eval_ids = {ranked[0]}
-        if len(eval_ids) == len(keys):
-            eval_ids.discard(ranked[-1])
-    train = [s for s in samples if group(s["id"]) not in eval_ids]
-    evals = [s for s in samples if group(s["id"]) in eval_ids]
-    return train, evals
-
-
 def read_jsonl(path: str | Path) -> list[dict]:
     with Path(path).open(encoding="utf-8") as fh:
         return [json.loads(x) for x in fh if x.strip()]
@@ -228,12 +192,14 @@ def _stdlib(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_d
         ids, finish = replies.get(prompts, keys)
         samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, ids)]
         _checked(samples, cfg)
-        train, evals = split(samples, cfg.eval_fraction, cfg.seed)
-        _write_splits(out_dir, train, evals, dict(zip((p.source for p in prompts), keys)))
+        with atomic_dir(out_dir) as tmp, SplitWriter(tmp, cfg.eval_fraction, cfg.seed) as out:
+            for sample, key in zip(samples, keys):
+                out.add(sample, key)
+            n_train, n_eval = out.finish()
     metrics = {
         "source": "stdlib:prompt", "read": len(prompts), "kept": len(samples), "skipped": 0,
         "skipped_by_reason": dict.fromkeys(STDLIB_REASONS, 0), "skipped_lines": {},
-        "train": len(train), "eval": len(evals),
+        "train": n_train, "eval": n_eval,
         "tokens": sum(len(s["input_ids"]) for s in samples),
         "assistant_tokens": sum(sum(s["loss_mask"]) for s in samples),
         "prompts_truncated": sum(p.truncated for p in prompts),
@@ -246,29 +212,36 @@ def _stdlib(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_d
 
 def _conversations(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_dir, *,
                    progress: bool, at: ParamsAt) -> tuple[dict, dict, tuple]:
-    """dataset.source set: one sample per answered user turn (turns.py); (metrics, timing,
-    store counts: turns computed and reused, conversations skipped)."""
-    r = turns.read(cfg, at=at)
-    log.info("%d conversations (%d user turns) from %s; generating with vLLM by turn depth",
-             len(r.threads), sum(len(t.users) for t in r.threads), r.report.source)
-    done = turns.answer(r, v, tokenizer, cfg, settings,
-                        lambda p, reply: assemble(p, reply, tokenizer, closer),
-                        progress=progress, at=at)
-    samples = done["samples"]
-    skipped = turns.skipped_by_reason(r)
-    kept = len({group_of(s["id"]) for s in samples})
-    _enough(r.report.source, kept, r.report.read, skipped, cfg, at)
-    _checked(samples, cfg)
-    checked = served.check(done["prompts"], v.model_dir, cfg.chat_template_kwargs, settings,
-                           progress=progress)
-    train, evals = split(samples, cfg.eval_fraction, cfg.seed, group=group_of)
-    _write_splits(out_dir, train, evals, {s["id"]: k for s, k in zip(samples, done["keys"])})
-    metrics = turns.metrics(r, done, len(train), len(evals))
-    metrics["prompts_equal_to_vllm_rendering"] = checked
+    """dataset.source set: one sample per answered user turn (turns.py), dataset.batch_size
+    conversations at a time, each batch's samples written before the next is read; (metrics,
+    timing, store counts: turns computed and reused, conversations skipped)."""
+    r, totals = turns.read(cfg, at=at), turns.Totals()
+    log.info("conversations from %s, %d at a time; generating with vLLM by turn depth",
+             r.report.source, cfg.batch_size)
+    # the leases, the engine and the renderer outlive the output's publishing (atomic_dir)
+    with contextlib.ExitStack() as held:
+        replies = held.enter_context(Replies(v, cfg, settings, progress=progress))
+        checker = held.enter_context(served.Checker(v.model_dir, cfg.chat_template_kwargs,
+                                                    settings, progress=progress))
+        steps = turns.Steps(checker.check, lambda keys: held.enter_context(
+            leases.hold(store.root(), {"dataset": keys})),
+            lambda p, reply: assemble(p, reply, tokenizer, closer))
+        with atomic_dir(out_dir) as tmp, \
+                SplitWriter(tmp, cfg.eval_fraction, cfg.seed, group=group_of) as out:
+            for batch in r.batches(cfg.batch_size):
+                for sample, key in turns.answer(r, batch, replies, tokenizer, cfg, settings,
+                                                steps, totals, at=at):
+                    _checked([sample], cfg)
+                    out.add(sample, key)
+            skipped = turns.skipped_by_reason(r)
+            _enough(r.report.source, out.splitter.groups, r.report.read, skipped, cfg, at)
+            n_train, n_eval = out.finish()
+    metrics = turns.metrics(r, totals, n_train, n_eval)
+    metrics["prompts_equal_to_vllm_rendering"] = checker.checked
     n_skipped = sum(skipped.values())
-    counts = (done["computed"], len(samples) - done["computed"], n_skipped,
-              len(samples) + n_skipped)
-    return metrics, done["timing"], counts
+    counts = (replies.computed, totals.samples - replies.computed, n_skipped,
+              totals.samples + n_skipped)
+    return metrics, replies.timing, counts
 
 
 def _enough(source: str, kept: int, read: int, skipped: dict, cfg: Any,
@@ -284,17 +257,6 @@ def _enough(source: str, kept: int, read: int, skipped: dict, cfg: Any,
                            f"dataset.eval_fraction {cfg.eval_fraction} needs at least 2 (one "
                            "train, one eval)", fix=f"raise dataset.num_samples "
                            f"({at.where('dataset.num_samples')}) or set dataset.eval_fraction: 0")
-
-
-def _write_splits(out_dir: str | Path, train: list[dict], evals: list[dict],
-                  key_of: dict[str, str]) -> None:
-    """out_dir/{train,eval}.jsonl and store_keys.json (each split's reply-store keys, what
-    `eagle3pipe gc` keeps), atomically."""
-    with atomic_dir(out_dir) as tmp:
-        write_jsonl(tmp / "train.jsonl", train)
-        write_jsonl(tmp / "eval.jsonl", evals)
-        write_json(tmp / "store_keys.json", {"eval": [key_of[s["id"]] for s in evals],
-                                             "train": [key_of[s["id"]] for s in train]})
 
 
 def run(params: StageView, paths: Paths) -> dict:

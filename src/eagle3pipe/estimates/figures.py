@@ -16,7 +16,7 @@ from typing import Callable
 from eagle3pipe.config import params as P
 from eagle3pipe.config.schema import Params, VllmParams
 from eagle3pipe.draft import arch as A
-from eagle3pipe.estimates.size import oracle_float32, verifier_weights
+from eagle3pipe.estimates.size import oracle_active_params, oracle_float32, verifier_weights
 from eagle3pipe.runtime.device import cuda_available  # noqa: F401 - plan and the runner's check read it here
 from eagle3pipe.runtime.units import DTYPE_BYTES, human
 from eagle3pipe.verifier.handle import VerifierInfo, read_config
@@ -59,6 +59,7 @@ class Figures:
     oracle_embedding_bytes: int  # float32, what the transformers oracle holds beside a layer
     oracle_layer_bytes: int  # the largest decoder layer in float32
     oracle_from: str
+    oracle_active_params: int  # what one token passes through (eagle3pipe.estimates.size)
 
 
 Estimator = Callable[[Params, Figures], Estimate]
@@ -94,7 +95,16 @@ def figures(params: Params, verifier_config: str | Path, gpu: bool) -> Figures:
                    hidden_bytes_per_token(info.hidden_size, params.extract.dtype), draft_params,
                    draft_bytes, train_bytes, activation_floats_per_token(specs), v_params,
                    v_bytes, v_from, v_params * stored, info.model_type, gpu,
-                   info.num_hidden_layers, *oracle_float32(cfg, cfg_file))
+                   info.num_hidden_layers, *oracle_float32(cfg, cfg_file),
+                   oracle_active_params(cfg))
+
+
+def oracle_flop(params: Params, f: Figures) -> int:
+    """The oracle's float32 work: extract.oracle_samples samples at their longest (max_prompt
+    + max_new tokens) x 2 x the parameters each token passes through."""
+    d = params.dataset
+    return params.extract.oracle_samples * (d.max_prompt_tokens + d.max_new_tokens) \
+        * 2 * f.oracle_active_params
 
 
 def engine_estimate(name: str, v: VllmParams, f: Figures, tokens: int, disk: int | None,

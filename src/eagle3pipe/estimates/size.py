@@ -86,6 +86,22 @@ def oracle_float32(cfg: dict, config_file: Path) -> tuple[int, int, str]:
         "config.json shapes"
 
 
+def oracle_active_params(cfg: dict) -> int:
+    """The decoder parameters one token passes through: every layer's attention and norms, a
+    dense layer's MLP, a MoE layer's router, shared experts and the `num_experts_per_tok`
+    routed experts it is sent to (transformers' MoE blocks run only those). The oracle's float32
+    work is 2 x this x the tokens it compares, from the config's shapes (embedding lookups and
+    the attention scores, small beside it at the oracle's sample lengths, left out)."""
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
+    dense_layers, dense_mlp, _ = _mlps(cfg)
+    moe_ff = cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 4 * H))
+    routed = min(cfg.get("num_experts_per_tok") or experts, experts)
+    active_moe = (routed + (cfg.get("n_shared_experts") or 0)) * 3 * H * moe_ff + experts * H
+    return (L * (_attention_params(cfg) + 2 * H) + dense_layers * dense_mlp
+            + (L - dense_layers) * active_moe)
+
+
 def _weight_bytes(quant: dict | None, vllm_dtype: str) -> tuple[float, str]:
     """(bytes per weight, the assumption) when only the config is known."""
     if not quant:

@@ -15,6 +15,7 @@ from eagle3pipe.estimates.figures import (
     Estimator,
     Figures,
     engine_estimate,
+    oracle_flop,
 )
 from eagle3pipe.estimates.size import config_param_estimate
 from eagle3pipe.runtime.units import human
@@ -68,8 +69,10 @@ def extract(params: Params, f: Figures) -> Estimate:
             f"layer at a time in float32 (the embedding {human(f.oracle_embedding_bytes)} + "
             f"the largest layer {human(f.oracle_layer_bytes)}, from the {f.oracle_from}), "
             "skipped above $EAGLE3PIPE_ORACLE_MEMORY (unset: half the free host memory); its "
-            f"time: reading the verifier's {f.num_layers} layers once and running {n} samples "
-            f"x <= {d.max_prompt_tokens + d.max_new_tokens} tokens through them in float32")
+            f"work: the verifier's {f.num_layers} layers read once, {n} samples x <= "
+            f"{d.max_prompt_tokens + d.max_new_tokens} tokens x 2 x "
+            f"{f.oracle_active_params:,} parameters each token passes through = "
+            f"{oracle_flop(params, f):.2g} FLOP in float32")
     return e
 
 

@@ -18,6 +18,7 @@ from eagle3pipe.runtime import units
 from eagle3pipe.runtime import environment
 from eagle3pipe.estimates import check as estimate
 from eagle3pipe.estimates import size
+from eagle3pipe.estimates import host
 from eagle3pipe.tools import plan
 from eagle3pipe.verifier.handle import VerifierInfo
 
@@ -344,4 +345,4 @@ def test_the_oracles_host_memory_is_the_embedding_and_the_largest_layer(micro_ve
                                           (3.4 * 3600, "3.4 h"), (25 * 3600, "25 h"),
                                           (2.1 * 86400, "2.1 days")])
 def test_the_oracle_time_reads_in_its_largest_unit(seconds, text):
-    assert plan._about(seconds) == text
+    assert host.about(seconds) == text

@@ -37,6 +37,7 @@ from eagle3pipe.runtime import environment
 from eagle3pipe.runtime.disk import free_bytes
 from eagle3pipe.runtime.units import GiB, human, parse_size
 from eagle3pipe.estimates import figures as E
+from eagle3pipe.estimates import host
 from eagle3pipe.estimates import stages as estimate
 from eagle3pipe.verifier.handle import read_config
 from eagle3pipe.engines.preflight import eagle3_limit
@@ -92,45 +93,17 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-MATMUL_N = 1024  # the side of the matrices host_float32_flops multiplies
-
-
-def host_float32_flops(n: int = MATMUL_N, at_least_s: float = 0.2) -> float:
-    """This host's float32 matmul rate (FLOP/s) at torch's thread count, timed now on n x n
-    matrices for at least `at_least_s`: what the transformers oracle's layers run at."""
-    import time
-
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # the first call pays for the kernel's set-up
-    runs, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < at_least_s or runs == 0:
-        a @ b
-        runs += 1
-    return 2 * n ** 3 * runs / elapsed
-
-
-def _about(seconds: float) -> str:
-    """'40 s', '12 min', '3.4 h', '2.1 days'."""
-    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * size:
-            return f"{seconds / size:.2g} {unit}" if seconds < 10 * size else \
-                f"{seconds / size:.0f} {unit}"
-    return f"{seconds:.0f} s"
-
-
 def _oracle_time(params: Params, f: E.Figures, stages: list[E.Estimate]) -> None:
     """Appends to the extract estimate the oracle's compute time at this host's measured
     float32 rate (its FLOP count is the estimate's own)."""
     if not params.extract.oracle_samples:
         return
-    rate = host_float32_flops()
+    rate = host.float32_flops()
     flop = E.oracle_flop(params, f)
     next(s for s in stages if s.name == "extract").notes.append(
-        f"oracle time on this host: ~{_about(flop / rate)} of float32 compute ({flop:.2g} FLOP "
-        f"at {rate / 1e9:.0f} GFLOP/s, a {MATMUL_N} x {MATMUL_N} matmul timed by plan), plus "
-        "reading every layer once from disk")
+        f"oracle time on this host: ~{host.about(flop / rate)} of float32 compute ({flop:.2g} "
+        f"FLOP at {rate / 1e9:.0f} GFLOP/s, a {host.MATMUL_N} x {host.MATMUL_N} matmul timed by "
+        "plan), plus reading every layer once from disk")
 
 
 def _heads_problems(params: Params, cfg: dict, bad) -> None:

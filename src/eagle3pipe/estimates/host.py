@@ -8,18 +8,19 @@ import time
 MATMUL_N = 1024  # the side of the matrices float32_flops multiplies
 
 
-def float32_flops(n: int = MATMUL_N, at_least_s: float = 0.2) -> float:
-    """This host's float32 matmul rate (FLOP/s) at torch's thread count, timed now on n x n
-    matrices for at least `at_least_s`: what the transformers oracle's layers run at."""
+def float32_flops(n: int = MATMUL_N, at_least_s: float = 0.3) -> float:
+    """This host's float32 matmul rate (FLOP/s) at torch's thread count: n x n matrices
+    multiplied for at least `at_least_s`, the fastest call counted (the first calls pay for
+    the threads' and the clock's ramp-up): what the transformers oracle's layers run at."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # the first call pays for the kernel's set-up
-    runs, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < at_least_s or runs == 0:
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < at_least_s:
+        t0 = time.perf_counter()
         a @ b
-        runs += 1
-    return 2 * n ** 3 * runs / elapsed
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
 
 
 def about(seconds: float) -> str:

@@ -103,7 +103,8 @@ def _oracle_time(params: Params, f: E.Figures, stages: list[E.Estimate]) -> None
     next(s for s in stages if s.name == "extract").notes.append(
         f"oracle time on this host: ~{host.about(flop / rate)} of float32 compute ({flop:.2g} "
         f"FLOP at {rate / 1e9:.0f} GFLOP/s, a {host.MATMUL_N} x {host.MATMUL_N} matmul timed by "
-        "plan), plus reading every layer once from disk")
+        f"plan), plus reading every layer once from disk (~{human(f.verifier_bytes)}, the "
+        "verifier's weights at the engine's size) and casting it to float32")
 
 
 def _heads_problems(params: Params, cfg: dict, bad) -> None:

@@ -37,6 +37,14 @@ def _attention_params(cfg: dict) -> int:
     return 2 * H * heads * hd + 2 * H * kvh * hd
 
 
+def _moe_block(cfg: dict, routed: int) -> int:
+    """Parameters of a MoE block's router, shared experts and `routed` of its routed experts."""
+    H = cfg["hidden_size"]
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
+    moe_ff = cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 4 * H))
+    return (routed + (cfg.get("n_shared_experts") or 0)) * 3 * H * moe_ff + experts * H
+
+
 def _mlps(cfg: dict) -> tuple[int, int, int]:
     """(dense layers, parameters of a dense MLP, of a MoE block with its router) of a decoder
     config; a MoE config's first `first_k_dense_replace` layers are dense."""
@@ -44,9 +52,7 @@ def _mlps(cfg: dict) -> tuple[int, int, int]:
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
     dense_layers = min(cfg.get("first_k_dense_replace", 0), L) if experts else L
     dense_mlp = 3 * H * cfg.get("intermediate_size", 4 * H)
-    moe_ff = cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 4 * H))
-    moe_mlp = (experts + (cfg.get("n_shared_experts") or 0)) * 3 * H * moe_ff + experts * H
-    return dense_layers, dense_mlp, moe_mlp
+    return dense_layers, dense_mlp, _moe_block(cfg, experts)
 
 
 def config_param_estimate(cfg: dict) -> tuple[int, str]:
@@ -95,11 +101,9 @@ def oracle_active_params(cfg: dict) -> int:
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
     dense_layers, dense_mlp, _ = _mlps(cfg)
-    moe_ff = cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 4 * H))
     routed = min(cfg.get("num_experts_per_tok") or experts, experts)
-    active_moe = (routed + (cfg.get("n_shared_experts") or 0)) * 3 * H * moe_ff + experts * H
     return (L * (_attention_params(cfg) + 2 * H) + dense_layers * dense_mlp
-            + (L - dense_layers) * active_moe)
+            + (L - dense_layers) * _moe_block(cfg, routed))
 
 
 def _weight_bytes(quant: dict | None, vllm_dtype: str) -> tuple[float, str]:

@@ -246,6 +246,37 @@ def test_environment_sets_vllm_batch_invariant_where_the_settings_ask():
     assert out == ["None", "1"], out
 
 
+def test_the_frozen_heap_holds_the_imports_and_lets_an_engines_cycles_be_collected():
+    """engine.frozen_heap: what was alive on entry stays frozen through vLLM's freeze and
+    unfreeze calls (no-ops inside); a cycle made inside is never frozen and gc.collect() frees
+    it (an engine's objects at its shutdown); the exit unfreezes and restores gc's own."""
+    import gc
+    import weakref
+
+    from eagle3pipe.engines import engine
+
+    class Node:
+        pass
+
+    real = gc.freeze, gc.unfreeze
+    alive = Node()
+    with engine.frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and gc.freeze is not real[0] and gc.unfreeze is not real[1]
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        gc.freeze()  # vLLM after an engine's start-up: would freeze the cycle
+        gc.unfreeze()  # vLLM at its shutdown: would unfreeze the imports
+        assert gc.get_freeze_count() == frozen
+        del a, b
+        gc.collect()
+        assert gone() is None
+        with engine.frozen_heap():  # nested: shares the outermost freeze
+            assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0 and (gc.freeze, gc.unfreeze) == real and alive
+
+
 def test_a_cuda_engine_refuses_a_manifest_whose_keys_are_for_cpu_states(monkeypatch):
     from types import SimpleNamespace
 

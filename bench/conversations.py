@@ -112,9 +112,12 @@ def micro_verifier(out: Path) -> Path:
 
 
 def settings() -> dict:
-    from tests.helpers.micro import engine_settings  # tests/micro/params.yaml's vllm section
+    """tests/micro/params.yaml's vllm section with a 1 GiB KV cache, as the committed
+    results were measured (the tests' 128 MiB also holds a whole turn depth of
+    dataset.batch_size prompts: ~1 KiB per token in the micro verifier's float32 cache)."""
+    from tests.helpers.micro import engine_settings
 
-    return engine_settings()
+    return engine_settings(kv_cache_memory_bytes=1 << 30)
 
 
 @contextlib.contextmanager
@@ -358,6 +361,12 @@ def memory_ratios(rows: list[dict], how: str) -> dict:
                     "(cold_engine_*: the first stage run on a fresh engine)"}
 
 
+def describe(vdir: Path, name: str) -> str:
+    """The verifier's name with its size (config.json's hidden size and layer count)."""
+    cfg = json.loads((vdir / "config.json").read_text())
+    return f"{name}, H={cfg['hidden_size']}, {cfg['num_hidden_layers']} layers"
+
+
 def measure(n: int, memory_sizes: list[int], work: Path, *, repeats: int = 2,
             max_repeats: int | None = None, verifier: Path | None = None,
             in_process: bool = False, traced: bool = True) -> dict:
@@ -365,7 +374,8 @@ def measure(n: int, memory_sizes: list[int], work: Path, *, repeats: int = 2,
     each size in a child process of its own (in_process: on this process's engine after the
     speed runs, smallest first: cheaper, but later sizes reuse the heap earlier runs grew)."""
     vdir = verifier or micro_verifier(work / "verifier")
-    res = {"verifier": "micro embedded verifier (tests/helpers/micro.py, H=64, 4 layers)"}
+    res = {"verifier": describe(vdir, "micro embedded verifier (tests/helpers/micro.py)"
+                                if verifier is None else str(verifier))}
     with shared_engine(settings(), vdir) as llm:
         res["speed"] = measure_speed(llm, vdir, n, work / "speed", repeats, max_repeats)
         rows = [memory_at(llm, vdir, m, work / f"mem-{m}", traced)
@@ -389,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="source sizes of the memory children (none: no memory figures)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds, at least")
     ap.add_argument("--max-repeats", type=int, default=None, help="at most (3 x repeats)")
-    ap.add_argument("--verifier", type=Path, default=None, help="a built micro verifier dir")
+    ap.add_argument("--verifier", type=Path, default=None, help="a built verifier dir (default: the micro one, built)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--traced", action="store_true",
                     help="also the tracemalloc peak of the stage's Python objects (slow)")

@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from ruamel.yaml import YAML
 
 from .micro import MICRO_PARAMS, ROOT  # noqa: F401 (ROOT, MICRO_PARAMS: also for importers)
 
 STAGES = ("verifier", "configs", "dataset", "vocab", "extract", "train", "export", "smoke")
+# the environment a command starts from where it is set (a Background job's thread sets it to
+# the session's at its start, not what a test running meanwhile has changed); else os.environ
+BASE_ENV: contextvars.ContextVar[dict | None] = contextvars.ContextVar("BASE_ENV", default=None)
 
 
 def project_files(root: Path = ROOT) -> list[str]:
@@ -27,8 +32,9 @@ def project_files(root: Path = ROOT) -> list[str]:
 
 
 def env(repo: Path, base: dict | None = None) -> dict:
-    """The environment of a command in `repo`: `base` (default os.environ) and the run's own."""
-    e = dict(os.environ if base is None else base)
+    """The environment of a command in `repo`: `base` (default BASE_ENV's, else os.environ)
+    and the run's own."""
+    e = dict(base if base is not None else BASE_ENV.get() or os.environ)
     e.pop("EAGLE3PIPE_STORE", None)  # each repo: its own .eagle3pipe/data/store (a cold store)
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e["EAGLE3PIPE_RUN_LOG"] = str(repo / ".runlog")
@@ -267,46 +273,108 @@ def leftovers(repo: Path, paths: list[str]) -> list[str]:
     return sorted(out)
 
 
-class Background:
-    """`dvc repro` in several repos, at most `width` at a time, in the order given, scheduled by
-    a thread of its own so that the runs start before the tests that read them: the suite's
-    single-process tests leave one of the two cores idle, and a run started early fills it.
-    A job is a repo (`dvc repro`) or (repo, dvc repro's arguments). `wait(name)` waits for one
-    run and returns it (a Run), letting `busy_width` run at once meanwhile (the waiting test
-    leaves its core idle)."""
+class Call(NamedTuple):
+    """A Background job that is a function: `fn(copy)`, with `copy` a committed copy of the run
+    `after` (its per-sample store left out), made when that run finishes and before any test
+    gets it. Its commands start from the session's environment (BASE_ENV)."""
+    fn: Callable[[Path], Any]
+    after: str
+    copy: Path
 
-    def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]]], width: int = 1,
-                 busy_width: int = 2):
+
+class _Thread:
+    """A Call running in a thread of its own, polled like a process."""
+
+    def __init__(self, call: Call, base_env: dict):
         import threading
 
-        self.todo = [(n, j if isinstance(j, tuple) else (j, ())) for n, j in jobs.items()]
+        self.value, self.log, self.rc = None, "", None
+        self.thread = threading.Thread(target=self._run, args=(call, base_env), daemon=True,
+                                       name=f"background-{call.after}-copy")
+        self.thread.start()
+
+    def _run(self, call: Call, base_env: dict) -> None:
+        BASE_ENV.set(base_env)
+        try:
+            self.value, self.rc = call.fn(call.copy), 0
+        except BaseException:  # noqa: BLE001 - handed to the test that reads it
+            self.log, self.rc = traceback.format_exc(), 1
+
+    def poll(self) -> int | None:
+        return None if self.thread.is_alive() else self.rc
+
+
+class Background:
+    """`dvc repro` in several repos, and Calls, at most `width` at a time, in the order given
+    (a Call once the run it starts from has finished), scheduled by a thread of its own so that
+    the jobs start before the tests that read them: the suite's single-process tests leave one
+    of the two cores idle, and a job started early fills it. A job is a repo (`dvc repro`),
+    (repo, dvc repro's arguments) or a Call. `wait(name)` waits for one job and returns it (a
+    Run), letting `busy_width` run at once meanwhile (the waiting test leaves its core idle)."""
+
+    def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]] | Call],
+                 width: int = 1, busy_width: int = 2):
+        import threading
+
+        self.todo = [(n, j if isinstance(j, (tuple, Call)) else (j, ())) for n, j in
+                     jobs.items()]
         self.width, self.busy_width, self.out = width, busy_width, {}
         # the environment as it is now: not what a test running meanwhile monkeypatches
         self.env = dict(os.environ)
-        self.running: dict[str, tuple[Path, subprocess.Popen]] = {}
+        self.running: dict[str, tuple[Path, subprocess.Popen | _Thread]] = {}
+        self.copied: set[str] = set()  # Calls whose copy is made
         self.stopped, self.error = False, None
         self.done = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="background-repro", daemon=True)
         self.thread.start()
+
+    def _ready(self, job) -> bool:
+        return not isinstance(job, Call) or job.copy in self.copied
+
+    def _start(self, job) -> tuple[Path, subprocess.Popen | _Thread]:
+        if isinstance(job, Call):
+            return job.copy, _Thread(job, self.env)
+        repo, args = job
+        return repo, start_repro(repo, *args, base_env=self.env)
 
     def _loop(self) -> None:
         import time
 
         try:
             while (self.todo or self.running) and not self.stopped:
-                while self.todo and len(self.running) < self.width:
-                    name, (repo, args) = self.todo.pop(0)
-                    self.running[name] = (repo, start_repro(repo, *args, base_env=self.env))
+                for name, job in [(n, j) for n, j in self.todo if self._ready(j)]:
+                    if len(self.running) >= self.width:
+                        break
+                    self.todo.remove((name, job))
+                    self.running[name] = self._start(job)
                 for name in [n for n, (_, p) in self.running.items() if p.poll() is not None]:
-                    repo, proc = self.running.pop(name)
-                    with self.done:
-                        self.out[name] = Run(repo, proc.returncode, (
-                            repo.parent / f"{repo.name}.repro.log").read_text(), ran(repo))
-                        self.done.notify_all()
+                    self._finish(name, *self.running.pop(name))
+                if self.todo and not self.running and not any(
+                        self._ready(j) for _, j in self.todo):
+                    raise AssertionError(f"background jobs that can never start: {self.todo}")
                 time.sleep(0.5)
         except BaseException as e:  # re-raised by wait()
             self.error = e
         with self.done:
+            self.done.notify_all()
+
+    def _finish(self, name: str, repo: Path, proc: subprocess.Popen | _Thread) -> None:
+        if isinstance(proc, _Thread):
+            result = Run(repo, proc.rc, proc.log, set(), proc.value)
+        else:
+            result = Run(repo, proc.returncode, (
+                repo.parent / f"{repo.name}.repro.log").read_text(), ran(repo))
+        for job in [(n, j) for n, j in self.todo if isinstance(j, Call) and j.after == name]:
+            call = job[1]
+            if result.rc == 0:
+                _committed_copy(repo, call.copy, self.env)
+                self.copied.add(call.copy)
+            else:  # the Call fails with the run it needed
+                self.todo.remove(job)
+                self.out[job[0]] = Run(call.copy, 1, f"{name} failed ({result.rc}):\n"
+                                       f"{result.log}", set())
+        with self.done:
+            self.out[name] = result
             self.done.notify_all()
 
     def wait(self, name: str) -> "Run":
@@ -328,13 +396,22 @@ class Background:
         self.stopped = True
         self.thread.join()
         for _, proc in self.running.values():
-            stop_repro(proc)
+            if not isinstance(proc, _Thread):  # a Call's commands end with its test session
+                stop_repro(proc)
 
 
 class Run(NamedTuple):
-    """A finished background `dvc repro`: its repo, exit code, output and the stages whose
-    commands executed."""
+    """A finished background job: its repo, exit code, output (a Call's: its traceback) and the
+    stages whose commands executed; a Call's return value."""
     repo: Path
     rc: int
     log: str
     ran: set[str]
+    value: Any = None
+
+
+def _committed_copy(repo: Path, dst: Path, base_env: dict) -> None:
+    """`repo` copied to `dst` without its per-sample store, everything in it committed."""
+    shutil.copytree(repo, dst, symlinks=True, ignore=shutil.ignore_patterns(".eagle3pipe"))
+    for cmd in (("git", "add", "-A"), ("git", "commit", "-q", "-m", "copy")):
+        subprocess.run(cmd, cwd=dst, env=env(dst, base_env), check=True, capture_output=True)

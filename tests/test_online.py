@@ -19,8 +19,12 @@ pytestmark = pytest.mark.slow
 def modes(early):
     """helpers.online.run on a copy of the cold micro run, run in the background with the
     session: (repo, what each mode did)."""
+    from helpers.online import RETRIES
+
     done = early.wait("online")
     assert done.rc == 0, f"the on-demand runs in {done.repo} failed:\n{done.log[-8000:]}"
+    for said in RETRIES:
+        print(f"a server start failed and was retried: {said}")
     for name, m in done.value[1].items():
         if "hidden" in m:
             print(f"{name}: artifacts/hidden {m['hidden']:,} B, store {m['store']:,} B"

@@ -3,45 +3,24 @@ with norm_output, each with the Llama or the Qwen3 layer, and the Qwen3 layer al
 micro pipeline with real DVC: the switches set in a copy of the session's cold micro run (plain
 EAGLE-3 with the Llama layer, conftest.py's `micro`), `dvc repro smoke` reruns exactly configs,
 train, export and smoke; the smoke stage's forward check passes in both layouts, vLLM serves both
-exports losslessly, and the acceptance is recorded. Two variants run at a time (most of a micro
-stage is one core importing torch, speculators or vLLM)."""
+exports losslessly, and the acceptance is recorded. The variants run in the background with the
+session (helpers.switched), one at a time beside the one-core tests, two while a test waits."""
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 
 import pytest
 
-from helpers.micro import ROOT
-from helpers.pipeline import Background, set_param, sh
-
-sys.path.insert(0, str(ROOT / "bench"))
-from switches import VARIANTS  # noqa: E402  (one list of the variants, the ablation's)
+from helpers.switched import SWITCHED, VARIANTS, value
 
 pytestmark = pytest.mark.slow
 
-SWITCHED = [name for name, sets in VARIANTS.items() if sets]  # the cold run is EAGLE-3 itself
-
-
-def _value(text: str):
-    return {"true": True, "false": False}.get(text, text)
-
 
 @pytest.fixture(scope="module")
-def variants(micro, tmp_path_factory):
-    """name -> the finished `dvc repro smoke` (helpers.pipeline.Run) of each switched copy."""
-    jobs = {}
-    for name in SWITCHED:
-        repo = tmp_path_factory.mktemp("switch") / "repo"
-        shutil.copytree(micro[0], repo, symlinks=True)
-        for key, value in VARIANTS[name].items():
-            set_param(repo, key, _value(value))
-        sh(repo, "git", "commit", "-qam", name)
-        jobs[name] = (repo, ("smoke",))
-    bg = Background(jobs, width=2)
-    yield {name: bg.wait(name) for name in SWITCHED}
-    bg.stop()
+def variants(early):
+    """name -> the finished `dvc repro smoke` (helpers.pipeline.Run) of each switched copy,
+    run in the background with the session (helpers.switched)."""
+    return {name: early.wait(f"switch:{name}") for name in SWITCHED}
 
 
 @pytest.mark.parametrize("name", SWITCHED)
@@ -49,7 +28,7 @@ def test_variant_through_dvc_repro_smoke(variants, name):
     run = variants[name]
     assert run.rc == 0, f"{name}: dvc repro smoke failed ({run.rc}):\n{run.log[-8000:]}"
     assert run.ran == {"configs", "train", "export", "smoke"}, run.ran
-    sets = {k.split(".")[-1]: _value(v) for k, v in VARIANTS[name].items()}
+    sets = {k.split(".")[-1]: value(v) for k, v in VARIANTS[name].items()}
     flat = json.loads((run.repo / "artifacts/export/vllm/config.json").read_text())
     spec = json.loads((run.repo / "artifacts/export/speculators/config.json").read_text())
     for key, want in sets.items():

@@ -14,11 +14,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .pipeline import env, fault_hold, repro, set_param, sh, start, wait_for
 
 STORE = ".eagle3pipe/data/store"
+RETRIES: list[str] = []  # the output of each server start that failed and was retried
 WEIGHTS = "artifacts/train/model.safetensors"
 
 
@@ -111,7 +113,11 @@ def _killed_server(repo: Path, port: int) -> dict:
     return out
 
 
-def _start_server(repo: Path, port: int) -> subprocess.Popen:
+def _start_server(repo: Path, port: int, retried: bool = False) -> subprocess.Popen:
+    """`eagle3pipe serve --hidden-states` on `port`, once it is ready. A server that exits
+    before it is ready is started once more (its output kept in RETRIES, which the test
+    module prints): this helper only needs a server, test_serve.py tests starting one, and
+    the suite's concurrent engines share the host's ports."""
     server = subprocess.Popen(
         [sys.executable, "-m", "eagle3pipe.tools.cli", "serve", "--hidden-states", "--port",
          str(port), "--quiet", "--timeout", "300"], cwd=repo, env=env(repo),
@@ -122,8 +128,12 @@ def _start_server(repo: Path, port: int) -> subprocess.Popen:
         if "ready at" in line:  # the vLLM server runs in a process group of its own
             server.vllm_pid = int(re.search(r"server pid (\d+)", line)[1])
             return server
-    raise AssertionError(f"the hidden-state server exited ({server.wait()}):\n"
-                         + "".join(lines[-30:]))
+    said = f"the hidden-state server exited ({server.wait()}):\n" + "".join(lines[-30:])
+    if retried:
+        raise AssertionError(said)
+    RETRIES.append(said)
+    time.sleep(3)
+    return _start_server(repo, port, retried=True)
 
 
 def _restarted_server(repo: Path, port: int) -> subprocess.CompletedProcess:

@@ -282,6 +282,16 @@ class Call(NamedTuple):
     copy: Path
 
 
+class Variant(NamedTuple):
+    """A Background job that is `dvc repro *args` in a committed copy of the run `after` (its
+    per-sample store left out), made when that run finishes and changed by `prepare(copy)`
+    (committed too) before the job can start."""
+    after: str
+    copy: Path
+    prepare: Callable[[Path], None]
+    args: tuple[str, ...] = ()
+
+
 class _Thread:
     """A Call running in a thread of its own, polled like a process."""
 
@@ -306,35 +316,34 @@ class _Thread:
 
 class Background:
     """`dvc repro` in several repos, and Calls, at most `width` at a time, in the order given
-    (a Call once the run it starts from has finished), scheduled by a thread of its own so that
-    the jobs start before the tests that read them: the suite's single-process tests leave one
-    of the two cores idle, and a job started early fills it. A job is a repo (`dvc repro`),
-    (repo, dvc repro's arguments) or a Call. `wait(name)` waits for one job and returns it (a
+    (a Call or a Variant once the run it starts from has finished), scheduled by a thread of its
+    own so that the jobs start before the tests that read them: the suite's single-process
+    tests leave one of the two cores idle, and a job started early fills it. A job is a repo
+    (`dvc repro`), (repo, dvc repro's arguments), a Call or a Variant. `wait(name)` waits for one job and returns it (a
     Run), letting `busy_width` run at once meanwhile (the waiting test leaves its core idle)."""
 
-    def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]] | Call],
+    def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]] | Call | Variant],
                  width: int = 1, busy_width: int = 2):
         import threading
 
-        self.todo = [(n, j if isinstance(j, (tuple, Call)) else (j, ())) for n, j in
-                     jobs.items()]
+        self.todo = [(n, j if isinstance(j, tuple) else (j, ())) for n, j in jobs.items()]
         self.width, self.busy_width, self.out = width, busy_width, {}
         # the environment as it is now: not what a test running meanwhile monkeypatches
         self.env = dict(os.environ)
         self.running: dict[str, tuple[Path, subprocess.Popen | _Thread]] = {}
-        self.copied: set[str] = set()  # Calls whose copy is made
+        self.copied: set[Path] = set()  # the copies of Calls and Variants made so far
         self.stopped, self.error = False, None
         self.done = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="background-repro", daemon=True)
         self.thread.start()
 
     def _ready(self, job) -> bool:
-        return not isinstance(job, Call) or job.copy in self.copied
+        return not isinstance(job, (Call, Variant)) or job.copy in self.copied
 
     def _start(self, job) -> tuple[Path, subprocess.Popen | _Thread]:
         if isinstance(job, Call):
             return job.copy, _Thread(job, self.env)
-        repo, args = job
+        repo, args = (job.copy, job.args) if isinstance(job, Variant) else job
         return repo, start_repro(repo, *args, base_env=self.env)
 
     def _loop(self) -> None:
@@ -364,14 +373,16 @@ class Background:
         else:
             result = Run(repo, proc.returncode, (
                 repo.parent / f"{repo.name}.repro.log").read_text(), ran(repo))
-        for job in [(n, j) for n, j in self.todo if isinstance(j, Call) and j.after == name]:
-            call = job[1]
+        for job in [(n, j) for n, j in self.todo
+                    if isinstance(j, (Call, Variant)) and j.after == name]:
+            then = job[1]
             if result.rc == 0:
-                _committed_copy(repo, call.copy, self.env)
-                self.copied.add(call.copy)
-            else:  # the Call fails with the run it needed
+                _committed_copy(repo, then.copy, self.env,
+                                then.prepare if isinstance(then, Variant) else None)
+                self.copied.add(then.copy)
+            else:  # the job fails with the run it needed
                 self.todo.remove(job)
-                self.out[job[0]] = Run(call.copy, 1, f"{name} failed ({result.rc}):\n"
+                self.out[job[0]] = Run(then.copy, 1, f"{name} failed ({result.rc}):\n"
                                        f"{result.log}", set())
         with self.done:
             self.out[name] = result
@@ -410,8 +421,18 @@ class Run(NamedTuple):
     value: Any = None
 
 
-def _committed_copy(repo: Path, dst: Path, base_env: dict) -> None:
-    """`repo` copied to `dst` without its per-sample store, everything in it committed."""
+def _committed_copy(repo: Path, dst: Path, base_env: dict,
+                    prepare: Callable[[Path], None] | None = None) -> None:
+    """`repo` copied to `dst` without its per-sample store, everything in it committed, then
+    changed by prepare(dst), if given, and committed again."""
     shutil.copytree(repo, dst, symlinks=True, ignore=shutil.ignore_patterns(".eagle3pipe"))
-    for cmd in (("git", "add", "-A"), ("git", "commit", "-q", "-m", "copy")):
-        subprocess.run(cmd, cwd=dst, env=env(dst, base_env), check=True, capture_output=True)
+
+    def commit(message: str) -> None:
+        for cmd in (("git", "add", "-A"), ("git", "commit", "-q", "--allow-empty", "-m", message)):
+            subprocess.run(cmd, cwd=dst, env=env(dst, base_env), check=True,
+                           capture_output=True)
+
+    commit("copy")
+    if prepare is not None:
+        prepare(dst)
+        commit("prepared")

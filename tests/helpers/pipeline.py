@@ -315,12 +315,12 @@ class _Thread:
 
 
 class Background:
-    """`dvc repro` in several repos, and Calls, at most `width` at a time, in the order given
-    (a Call or a Variant once the run it starts from has finished), scheduled by a thread of its
-    own so that the jobs start before the tests that read them: the suite's single-process
-    tests leave one of the two cores idle, and a job started early fills it. A job is a repo
-    (`dvc repro`), (repo, dvc repro's arguments), a Call or a Variant. `wait(name)` waits for one job and returns it (a
-    Run), letting `busy_width` run at once meanwhile (the waiting test leaves its core idle)."""
+    """Jobs, at most `width` at a time, in the order given (a Call or a Variant once the run it
+    starts from has finished), scheduled by a thread of its own so that they start before the
+    tests that read them: the suite's single-process tests leave one of the two cores idle,
+    and a job started early fills it. A job is a repo (`dvc repro`), (repo, dvc repro's
+    arguments), a Call or a Variant. `wait(name)` waits for one job and returns it (a Run),
+    letting `busy_width` run at once meanwhile (the waiting test leaves its core idle)."""
 
     def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]] | Call | Variant],
                  width: int = 1, busy_width: int = 2):
@@ -428,7 +428,8 @@ def _committed_copy(repo: Path, dst: Path, base_env: dict,
     shutil.copytree(repo, dst, symlinks=True, ignore=shutil.ignore_patterns(".eagle3pipe"))
 
     def commit(message: str) -> None:
-        for cmd in (("git", "add", "-A"), ("git", "commit", "-q", "--allow-empty", "-m", message)):
+        for cmd in (("git", "add", "-A"),
+                    ("git", "commit", "-q", "--allow-empty", "-m", message)):
             subprocess.run(cmd, cwd=dst, env=env(dst, base_env), check=True,
                            capture_output=True)
 

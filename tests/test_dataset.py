@@ -308,6 +308,13 @@ def test_reasoning_tokens_are_the_reply_tokens_inside_a_think_block(tokenizer):
     assert turns.reasoning_tokens(tokenizer, plain, ids("<think>") + body) == len(body)
     empty = ids("<|assistant|>\n<think>\n\n</think>\n\n")
     assert turns.reasoning_tokens(tokenizer, empty, body) == 0
+    # given the reply's text (Totals.add), the same counts; without the opening tag in the
+    # reply or an open block in the prompt its tokens are not decoded one by one
+    for prompt, reply in ((think, body + close + after), (plain, body + close + after),
+                          (plain, ids("<think>") + body), (empty, body)):
+        text = tokenizer.decode(reply, skip_special_tokens=False)
+        assert (turns.reasoning_tokens(tokenizer, prompt, reply, text)
+                == turns.reasoning_tokens(tokenizer, prompt, reply))
 
 
 def test_tool_calls_are_the_tool_call_blocks_a_reply_opens(tokenizer):

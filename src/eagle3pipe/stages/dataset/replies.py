@@ -71,8 +71,9 @@ class Replies:
         token if it stopped. The replies the store lacks go to the engine dataset.batch_size
         at a time (engine.finished: vLLM batches as many as it runs at once) and each is stored
         the moment it finishes, so a crash loses only the replies in flight (a repeated key is
-        generated once)."""
+        generated once); the others are read from the store."""
         todo = list({k: i for i, k in enumerate(keys) if not self.store.has(k)}.values())
+        fresh: dict[str, dict] = {}
         if todo:
             llm = self._engine()
             t0 = time.perf_counter()
@@ -81,13 +82,14 @@ class Replies:
                 chunk = todo[c:c + self.cfg.batch_size]
                 for j, out in engine.finished(llm, [prompts[i].ids for i in chunk],
                                               self._sampling):
-                    self.store.put_json(keys[chunk[j]], {
-                        "reply": list(out.outputs[0].token_ids),
-                        "finish": str(out.outputs[0].finish_reason)})
+                    k = keys[chunk[j]]
+                    fresh[k] = {"reply": list(out.outputs[0].token_ids),
+                                "finish": str(out.outputs[0].finish_reason)}
+                    self.store.put_json(k, fresh[k])
                     bar.update(1)
             bar.close()
             self.timing["generate_s"] = round(self.timing["generate_s"]
                                               + time.perf_counter() - t0, 3)
             self.computed += len(todo)
-        got = [self.store.get_json(k) for k in keys]
+        got = [fresh.get(k) or self.store.get_json(k) for k in keys]
         return [g["reply"] for g in got], [g["finish"] for g in got]

@@ -122,8 +122,9 @@ class Totals:
         self.responses_closed += finish == "stop"
         self.responses_cut_at_max_new_tokens += finish == "length"
         self.new_tokens += len(reply)
-        self.reasoning_tokens += reasoning_tokens(tokenizer, prompt.ids, reply)
-        self.tool_calls += tool_calls(tokenizer, reply)
+        text = tokenizer.decode(reply, skip_special_tokens=False)
+        self.reasoning_tokens += reasoning_tokens(tokenizer, prompt.ids, reply, text)
+        self.tool_calls += tool_calls(tokenizer, reply, text)
 
 
 @dataclass
@@ -249,21 +250,30 @@ def reasoning_spans(text: str, open_at_start: bool) -> list[tuple[int, int]]:
         open_at, pos = None, j + len(end)
 
 
-def tool_calls(tokenizer, reply: list[int]) -> int:
+def tool_calls(tokenizer, reply: list[int], text: str | None = None) -> int:
     """The tool calls the verifier generated in a reply: TOOL_CALL_TAGS blocks it opened
-    (matched on text; supervised like the rest of the reply)."""
-    return tokenizer.decode(reply, skip_special_tokens=False).count(TOOL_CALL_TAGS[0])
+    (matched on text; supervised like the rest of the reply). `text`: the reply decoded whole,
+    if the caller has it."""
+    if text is None:
+        text = tokenizer.decode(reply, skip_special_tokens=False)
+    return text.count(TOOL_CALL_TAGS[0])
 
 
-def reasoning_tokens(tokenizer, prompt_ids: list[int], reply: list[int]) -> int:
+def reasoning_tokens(tokenizer, prompt_ids: list[int], reply: list[int],
+                     text: str | None = None) -> int:
     """How many reply tokens lie inside a THINK_TAGS block: one the prompt left open (a
     template that primes "<think>") or one the reply opens. Tags match on text, so a tag
     several tokens long is found; the tags' own tokens and special tokens (the closing
-    <|end|>) are not reasoning."""
+    <|end|>) are not reasoning. `text`: the reply decoded whole, if the caller has it; a reply
+    without the opening tag after a prompt that left none open has none, and its tokens are
+    not decoded one by one."""
     start, end = THINK_TAGS
     head = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    open_at_start = head.rfind(start) > head.rfind(end)
+    if text is not None and not open_at_start and start not in text:
+        return 0
     pieces = tokenizer.batch_decode([[t] for t in reply], skip_special_tokens=False)
-    spans = reasoning_spans("".join(pieces), head.rfind(start) > head.rfind(end))
+    spans = reasoning_spans("".join(pieces), open_at_start)
     special = set(tokenizer.all_special_ids)
     count, at = 0, 0
     for token, piece in zip(reply, pieces):

@@ -23,14 +23,21 @@ pytestmark = pytest.mark.slow
 # the same row as one listed (draft.num_key_value_heads, draft.intermediate_size, ...: head_dim's)
 # take the same path through dvc.yaml; test_graph checks the table itself. The verifier's row
 # (every stage) is the cold run's: test_cold_run_executes_every_stage_and_then_nothing.
+# CHANGES run their whole row and its revert: between them every stage after the verifier
+# reruns, is skipped only where its inputs came out byte-identical, and is restored from the
+# run-cache. FIRST_STAGES' rows take the same path from their first stages on, so for them real
+# DVC is asked only what is particular to the key: the stages that see the change, directly
+# or through the files the configs stage rewrites (test_a_change_reaches_the_rows_first_stages).
 CHANGES = [
     ("draft.head_dim", 32),
-    ("draft.aux_layer_ids", [0, 2, 3]),
-    ("draft.draft_vocab_size", 96),
     ("draft.num_speculative_tokens", 2),  # configs, export, smoke: training is untouched
-    ("train.learning_rate", 0.002),
     ("smoke.max_tokens", 12),
-    ("dataset.max_new_tokens", 20),
+    ("dataset.max_new_tokens", 20),  # every stage from dataset on
+]
+FIRST_STAGES = [
+    ("draft.aux_layer_ids", [0, 2, 3]),  # configs/capture.json: extract
+    ("draft.draft_vocab_size", 96),  # the vocab stage's own key, and the draft's configs
+    ("train.learning_rate", 0.002),
     ("extract.dtype", "float32"),
 ]
 ENGINE_BOUND = "vllm.gpu_memory_utilization"  # engine_bound_changes_no_output's job
@@ -164,6 +171,41 @@ def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(changes
     """engine_bound_changes_no_output on a cold repo (run by the `changes` fixture)."""
     if changes[ENGINE_BOUND] is not None:
         raise changes[ENGINE_BOUND]
+
+
+@pytest.mark.parametrize("key,value", FIRST_STAGES, ids=[k for k, _ in FIRST_STAGES])
+def test_a_change_reaches_the_rows_first_stages(micro, key, value):
+    """After the change (and the configs stage, where the row starts with it) `dvc status`
+    reports exactly the row's stages that declare the key or read a file under configs/ that
+    changed, and configs/ changed exactly where the table predicts; the repo is left as
+    committed."""
+    from eagle3pipe.config import dvcfile, params as P
+
+    repo, _ = micro
+    verifier_config = repo / "configs/verifier_config.json"
+    row = graph.invalidation_table(repo / "dvc.yaml", repo / "params.yaml", verifier_config)[key]
+    predicted = (graph.changed_configs(P.load(repo / "params.yaml"), key, verifier_config)
+                 if "configs" in row else set())
+    stages = dvcfile.stages(repo / "dvc.yaml")
+    set_param(repo, key, value)
+    try:
+        if "configs" in row:
+            assert repro(repo, "-s", "configs") == {"configs"}
+        changed = set(sh(repo, "git", "diff", "--name-only", "--", "configs").stdout.split())
+        seen = set(json.loads(sh(repo, "dvc", "status", "--json").stdout))
+    finally:
+        sh(repo, "git", "reset", "-q", "--hard")
+    assert json.loads(sh(repo, "dvc", "status", "--json").stdout) == {}
+    assert changed == predicted, key
+
+    def reads_it(stage: str) -> bool:
+        deps = [d if isinstance(d, str) else next(iter(d)) for d in stages[stage].get("deps", [])]
+        return (any(key == d or key.startswith(d + ".")
+                    for d in dvcfile.declared_params(stage, repo / "dvc.yaml"))
+                or any(f == d or f.startswith(d + "/") for f in changed for d in deps))
+
+    assert seen == {s for s in row if s != "configs" and reads_it(s)}, (key, seen, row)
+    assert seen, key
 
 
 def test_two_cold_clones_give_identical_lock_hashes(micro, second):

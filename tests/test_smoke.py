@@ -437,9 +437,13 @@ with engine.engine(engine_settings(), sys.argv[1], threads=2) as llm:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    made = [None]
+    made[0] = made
+    engine.refreeze()  # an engine is alive: its objects stay collectable, nothing is frozen
     inside = {"threads": torch.get_num_threads(), "no_op": torch.set_num_threads is not original,
               "frozen": gc.get_freeze_count() > 0, "dtype": str(llm.llm_engine.model_config.dtype),
-              "in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]}
+              "in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
+              "refroze_alive": not any(o is made for o in gc.get_objects())}
     out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
                        SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
 after = {"threads": torch.get_num_threads(), "restored": torch.set_num_threads is original,
@@ -461,8 +465,10 @@ def test_engine_helper_restores_what_vllm_changes(micro_verifier, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     # float32 as given: vLLM's "auto" would have downcast the float32 checkpoint
+    # what is made while an engine is alive is never frozen (engine.refreeze)
     assert got["inside"] == {"threads": 2, "no_op": True, "frozen": True,
-                             "dtype": "torch.float32", "in_process": "0"}, got
+                             "dtype": "torch.float32", "in_process": "0",
+                             "refroze_alive": False}, got
     assert got["tokens"] == 4
     assert got["after"] == {"threads": 2, "restored": True, "frozen": 0, "engine": None,
                             "threads_settable": True}, got

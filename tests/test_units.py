@@ -285,6 +285,37 @@ def test_the_frozen_heap_holds_the_imports_and_lets_an_engines_cycles_be_collect
     assert gc.get_freeze_count() == 0 and (gc.freeze, gc.unfreeze) == real and alive
 
 
+def test_refreeze_adds_what_was_made_since_the_freeze_and_collects_the_garbage_first():
+    """engine.refreeze (each engine start with no engine alive): what is alive and was made
+    inside the frozen heap (vLLM's modules imported by the first load check or engine start)
+    leaves the collector's walks, garbage made there is collected, not frozen; outside a
+    frozen heap it freezes nothing."""
+    import gc
+    import weakref
+
+    from eagle3pipe.engines import engine
+
+    class Node:
+        pass
+
+    def tracked(obj) -> bool:  # gc.get_objects() lists every generation but the frozen one
+        return any(o is obj for o in gc.get_objects())
+
+    outside = Node()
+    outside.other = outside
+    engine.refreeze()
+    assert gc.get_freeze_count() == 0 and tracked(outside)
+    with engine.frozen_heap():
+        made, dead = Node(), Node()
+        made.other, dead.other = made, dead
+        gone = weakref.ref(dead)
+        del dead
+        assert tracked(made)
+        engine.refreeze()
+        assert gone() is None and not tracked(made)
+    assert gc.get_freeze_count() == 0 and tracked(made)
+
+
 _HELD = """
 import ctypes, sys
 from pathlib import Path

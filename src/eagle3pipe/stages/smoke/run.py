@@ -257,7 +257,8 @@ def measure(s, settings: dict, *, template_kwargs: dict, export_dir: str | Path,
                                        inp.verifier.info.vocab_size, settings["max_model_len"],
                                        inp.k)
     trained = agreement.read_training(train_metrics)
-    # one freeze of the imports' objects for the load checks and every engine
+    # the imports' objects out of the collector's walks for the load checks and every engine
+    # (the first engine's start adds what the checks imported: engine.refreeze)
     with engine.frozen_heap():
         check_loads(s, inp)
         limit = preflight.eagle3_limit(inp.verifier.config, inp.verifier.config_path,

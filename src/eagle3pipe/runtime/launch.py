@@ -1,9 +1,11 @@
 """How the train stage's processes start: torchrun's command line for each node, from the params'
 `train` section (nproc_per_node, nnodes, rdzv_endpoint).
 
-dvc.yaml runs `python stages/train.py ...`; that process (node 0) replaces itself with torchrun
-(os.execvp: the same pid, so it still dies with DVC, and torchrun's workers with it), which
-starts the workers that train. One node: `torchrun --standalone`. Several: torchrun's static
+dvc.yaml runs `python stages/train.py ...`. One process on one node (the default) trains in that
+process: torchrun's agent would add a process and its start-up (~4 s of CPU on a 2-core machine)
+and change no byte. For several processes or nodes that process (node 0) replaces itself with
+torchrun (os.execvp: the same pid, so it still dies with DVC, and torchrun's workers with it),
+which starts the workers that train. One node: `torchrun --standalone`. Several: torchrun's static
 rendezvous with node 0 at train.rdzv_endpoint (`--nnodes N --node-rank R --master-addr host
 --master-port port`), so global rank 0, the one process that publishes, is always on the node
 DVC runs on; every other node runs the same command with its own `--node-rank`
@@ -23,6 +25,11 @@ WORKER_ENV = "TORCHELASTIC_RUN_ID"
 def under_torchrun() -> bool:
     """This process is a torchrun worker (not the stage's own command line)."""
     return WORKER_ENV in os.environ or "LOCAL_RANK" in os.environ
+
+
+def needs_torchrun(t) -> bool:
+    """The params' train section asks for more than one training process."""
+    return t.nnodes > 1 or t.nproc_per_node > 1
 
 
 def torchrun_argv(t, node_rank: int, script: list[str]) -> list[str]:
@@ -50,8 +57,7 @@ def exec_torchrun(t, script: list[str]) -> None:
 
 def node0(params, paths=None) -> None:
     """The train stage's command line as node 0: replaced by torchrun running the same script
-    with the same arguments (the stage runner's `run` for that process; `params` is its
-    params view). Never returns."""
+    with the same arguments (`params` is the stage's params view). Never returns."""
     exec_torchrun(params.train, sys.argv)
 
 

@@ -83,8 +83,8 @@ def main(stage: str, run: Callable[[StageView, Paths], dict | None], *,
          argv: list[str] | None = None, doc: str | None = None, exit: bool = True) -> int:
     """Runs one stage; returns (or exits with) EXIT_OK, or EXIT_INPUT on an Error. With
     estimate, the stage's estimate (eagle3pipe.estimates.stages.ESTIMATES[stage]) is logged and
-    checked against the free disk before `run` (train checks it in each torchrun worker, not in
-    the launcher)."""
+    checked against the free disk before `run` (train's command checks it before it becomes
+    torchrun, and each torchrun worker again)."""
     if argv is None:  # this process is the stage (its command line): it dies with its launcher
         bind_to_launcher()
     a, p = parse(stage, paths, argv, doc)

@@ -4,6 +4,7 @@ cold runs are conftest.py's session fixtures `micro` and `second`, run in the ba
 (tests/test_serve.py serves micro's exports, tests/test_parallel.py starts from it)."""
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import subprocess
@@ -28,11 +29,11 @@ pytestmark = pytest.mark.slow
 # run-cache. FIRST_STAGES' rows take the same path from their first stages on, so for them real
 # DVC is asked only what is particular to the key: the stages that see the change, directly
 # or through the files the configs stage rewrites (test_a_change_reaches_the_rows_first_stages).
-CHANGES = [
+CHANGES = [  # the longest rows first (the `changes` fixture runs them in this order)
+    ("dataset.max_new_tokens", 20),  # every stage from dataset on
     ("draft.head_dim", 32),
     ("draft.num_speculative_tokens", 2),  # configs, export, smoke: training is untouched
     ("smoke.max_tokens", 12),
-    ("dataset.max_new_tokens", 20),  # every stage from dataset on
 ]
 FIRST_STAGES = [
     ("draft.aux_layer_ids", [0, 2, 3]),  # configs/capture.json: extract
@@ -41,6 +42,12 @@ FIRST_STAGES = [
     ("extract.dtype", "float32"),
 ]
 ENGINE_BOUND = "vllm.gpu_memory_utilization"  # engine_bound_changes_no_output's job
+REMOTE = "remote"  # remote_shares_outputs_and_run_cache's job
+
+
+def first(key: str) -> str:
+    """The job name of a FIRST_STAGES key."""
+    return f"first:{key}"
 
 
 def test_cold_run_executes_every_stage_and_then_nothing(micro):
@@ -131,57 +138,13 @@ def engine_bound_changes_no_output(repo) -> None:
         sh(repo, "git", "checkout", "--", ".")
 
 
-@pytest.fixture(scope="module")
-def changes(micro, second) -> dict[str, BaseException | None]:
-    """Every change of CHANGES through change_and_revert, and engine_bound_changes_no_output,
-    two at a time, each on whichever of the two cold repos is free (both hold the same bytes
-    and their own run-cache): most of a micro stage is its interpreter's imports, on one core.
-    What each raised, by key (ENGINE_BOUND: the engine bound's)."""
-    free: queue.Queue = queue.Queue()
-    free.put(micro[0])
-    free.put(second[0])
-
-    def one(change: tuple[str, object]) -> BaseException | None:
-        repo = free.get()
-        try:
-            if change[0] == ENGINE_BOUND:
-                engine_bound_changes_no_output(repo)
-            else:
-                change_and_revert(repo, *change)
-            return None
-        except BaseException as e:  # re-raised by the change's own test
-            return e
-        finally:
-            free.put(repo)
-
-    jobs = [*CHANGES, (ENGINE_BOUND, None)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip((k for k, _ in jobs), pool.map(one, jobs)))
-
-
-@pytest.mark.parametrize("key,value", CHANGES, ids=[k for k, _ in CHANGES])
-def test_change_reruns_exactly_the_table_row_and_revert_restores(changes, key, value):
-    """change_and_revert on a cold repo (the changes run two at a time: the `changes`
-    fixture)."""
-    if changes[key] is not None:
-        raise changes[key]
-
-
-def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(changes):
-    """engine_bound_changes_no_output on a cold repo (run by the `changes` fixture)."""
-    if changes[ENGINE_BOUND] is not None:
-        raise changes[ENGINE_BOUND]
-
-
-@pytest.mark.parametrize("key,value", FIRST_STAGES, ids=[k for k, _ in FIRST_STAGES])
-def test_a_change_reaches_the_rows_first_stages(micro, key, value):
+def first_stages_see_the_change(repo, key: str, value) -> None:
     """After the change (and the configs stage, where the row starts with it) `dvc status`
     reports exactly the row's stages that declare the key or read a file under configs/ that
     changed, and configs/ changed exactly where the table predicts; the repo is left as
     committed."""
     from eagle3pipe.config import dvcfile, params as P
 
-    repo, _ = micro
     verifier_config = repo / "configs/verifier_config.json"
     row = graph.invalidation_table(repo / "dvc.yaml", repo / "params.yaml", verifier_config)[key]
     predicted = (graph.changed_configs(P.load(repo / "params.yaml"), key, verifier_config)
@@ -208,6 +171,80 @@ def test_a_change_reaches_the_rows_first_stages(micro, key, value):
     assert seen, key
 
 
+def remote_shares_outputs_and_run_cache(repo, tmp) -> None:
+    """A DVC remote added to the repo (and committed) gets its outputs and run-cache; a clone
+    that pulls them executes nothing, and a draft change there reruns training, not the data
+    stages."""
+    remote = tmp / "remote"
+    sh(repo, "dvc", "remote", "add", "-f", "-d", "shared", str(remote))
+    sh(repo, "dvc", "push", "--run-cache", "-q")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-q", "-m", "remote")
+    clone = tmp / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    sh(clone, "dvc", "pull", "--run-cache", "-q")
+    assert repro(clone) == set(), "after a pull nothing may execute"
+    set_param(clone, "draft.head_dim", 32)
+    ran = repro(clone)
+    assert "extract" not in ran and "dataset" not in ran and "verifier" not in ran
+    assert "train" in ran
+
+
+@pytest.fixture(scope="module")
+def changes(micro, second, tmp_path_factory) -> dict[str, BaseException | None]:
+    """The jobs that change a cold repo and leave it as committed, two at a time, each on
+    whichever of the two cold repos is free (both hold the same bytes and their own
+    run-cache; most of a micro stage is its interpreter's imports, on one core), the longest
+    first so that the short ones fill the end: every change of CHANGES through
+    change_and_revert, engine_bound_changes_no_output, remote_shares_outputs_and_run_cache
+    (which leaves its remote committed) and FIRST_STAGES through first_stages_see_the_change.
+    What each raised, by job name (a CHANGES key, ENGINE_BOUND, REMOTE, first(key))."""
+    free: queue.Queue = queue.Queue()
+    free.put(micro[0])
+    free.put(second[0])
+    tmp = tmp_path_factory.mktemp("remote")
+    rows = {k: functools.partial(change_and_revert, key=k, value=v) for k, v in CHANGES}
+    jobs = {**dict(list(rows.items())[:2]), ENGINE_BOUND: engine_bound_changes_no_output,
+            REMOTE: functools.partial(remote_shares_outputs_and_run_cache, tmp=tmp),
+            **dict(list(rows.items())[2:]),
+            **{first(k): functools.partial(first_stages_see_the_change, key=k, value=v)
+               for k, v in FIRST_STAGES}}
+
+    def one(job) -> BaseException | None:
+        repo = free.get()
+        try:
+            job(repo)
+            return None
+        except BaseException as e:  # re-raised by the job's own test
+            return e
+        finally:
+            free.put(repo)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(jobs, pool.map(one, jobs.values())))
+
+
+@pytest.mark.parametrize("key,value", CHANGES, ids=[k for k, _ in CHANGES])
+def test_change_reruns_exactly_the_table_row_and_revert_restores(changes, key, value):
+    """change_and_revert on a cold repo (the changes run two at a time: the `changes`
+    fixture)."""
+    if changes[key] is not None:
+        raise changes[key]
+
+
+def test_an_engine_memory_bound_reruns_the_engines_and_changes_no_output(changes):
+    """engine_bound_changes_no_output on a cold repo (run by the `changes` fixture)."""
+    if changes[ENGINE_BOUND] is not None:
+        raise changes[ENGINE_BOUND]
+
+
+@pytest.mark.parametrize("key", [k for k, _ in FIRST_STAGES])
+def test_a_change_reaches_the_rows_first_stages(changes, key):
+    """first_stages_see_the_change on a cold repo (run by the `changes` fixture)."""
+    if changes[first(key)] is not None:
+        raise changes[first(key)]
+
+
 def test_two_cold_clones_give_identical_lock_hashes(micro, second):
     repo, (other, ran) = micro[0], second
     assert ran == set(STAGES)
@@ -216,21 +253,10 @@ def test_two_cold_clones_give_identical_lock_hashes(micro, second):
     assert {k for k in a if a[k] != b[k]} == set()
 
 
-def test_remote_shares_outputs_and_run_cache(micro, tmp_path):
-    repo, _ = micro
-    remote = tmp_path / "remote"
-    sh(repo, "dvc", "remote", "add", "-f", "-d", "shared", str(remote))
-    sh(repo, "dvc", "push", "--run-cache", "-q")
-    sh(repo, "git", "add", "-A")
-    sh(repo, "git", "commit", "-q", "-m", "remote")
-    clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
-    sh(clone, "dvc", "pull", "--run-cache", "-q")
-    assert repro(clone) == set(), "after a pull nothing may execute"
-    set_param(clone, "draft.head_dim", 32)
-    ran = repro(clone)
-    assert "extract" not in ran and "dataset" not in ran and "verifier" not in ran
-    assert "train" in ran
+def test_remote_shares_outputs_and_run_cache(changes):
+    """remote_shares_outputs_and_run_cache on a cold repo (run by the `changes` fixture)."""
+    if changes[REMOTE] is not None:
+        raise changes[REMOTE]
 
 
 def test_speculators_train_reads_the_outputs_as_is(micro, tmp_path):

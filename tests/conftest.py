@@ -60,18 +60,20 @@ def micro_verifier_copy(micro_verifier, tmp_path) -> Path:
 #
 # Most of a micro stage is one core importing torch, transformers, speculators or vLLM, and most
 # of the suite's other tests run on one core: so the runs that need no test's help (the store's
-# run up to extract, the families' runs, the two cold micro runs, then test_online.py's modes and
-# test_switch_pipelines.py's variants on copies of the cold run) start with the session, one at
-# a time in that order, on the core the other tests leave idle, and two at a time while a test
-# waits for one (helpers.pipeline.Background). The modules that read them run last
-# (pytest_collection_modifyitems), those that run on one core first, so that the runs keep the
-# second core busy until the modules that use both (faults, TP 2, the change scenarios) come.
+# run up to extract, the families' runs, the two cold micro runs, then test_online.py's modes,
+# test_switch_pipelines.py's variants and test_parallel.py's TP 2 run on copies of the cold run)
+# start with the session, one at a time in that order, on the core the other tests leave idle,
+# and two at a time while a test waits for one (helpers.pipeline.Background). The modules that
+# read them run last (pytest_collection_modifyitems), those that run on one core first, so that
+# the runs keep the second core busy until the modules that use both (faults, the change
+# scenarios) come.
 
 LAST = ("test_store.py", "test_families.py", "test_serve.py", "test_online.py",
         "test_switch_pipelines.py", "test_faults.py",
         "test_parallel.py", "test_pipeline.py")
 EARLY = {"store_repo": ("store",), "family_runs": ("families",), "micro": ("cold",),
-         "second": ("second",), "modes": ("cold", "online"), "variants": ("cold", "switch")}
+         "second": ("second",), "modes": ("cold", "online"), "variants": ("cold", "switch"),
+         "parallel": ("cold", "parallel")}
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -85,7 +87,7 @@ def early(request, tmp_path_factory):
     """The background runs the selected tests read (EARLY: fixture -> runs), started now; the
     on-demand modes (helpers.online) and the switched variants (helpers.switched) on copies of
     the cold run once it ends."""
-    from helpers import checkpoints, online, store_repo as store, switched
+    from helpers import checkpoints, online, parallel, store_repo as store, switched
 
     wanted = {run for item in request.session.items
               for fixture, runs in EARLY.items() if fixture in getattr(item, "fixturenames", ())
@@ -104,6 +106,8 @@ def early(request, tmp_path_factory):
         jobs["online"] = Call(online.run, "cold", tmp_path_factory.mktemp("online") / "repo")
     if "switch" in wanted:
         jobs |= switched.jobs(tmp_path_factory.mktemp("switch"))
+    if "parallel" in wanted:
+        jobs["parallel"] = parallel.job(tmp_path_factory.mktemp("parallel"))
     bg = Background(jobs)
     yield bg
     bg.stop()

@@ -2,24 +2,19 @@
 all through `dvc repro` on the micro pipeline: tensor_parallel_size 2 on this CPU (one core per
 rank, VLLM_CPU_OMP_THREADS_BIND "0|1") for dataset, extract and smoke, and train under torchrun
 with train.nproc_per_node 2 (gloo; the stage's command becomes torchrun). The repo is a copy of
-the session's cold micro run (conftest.py's `micro`, its DVC cache included, its per-sample
-store not): the parallel settings rerun every stage that reads them, and the verifier, which
-reads none, stays the cold run's."""
+the session's cold micro run, run in the background (tests/helpers/parallel.py): the parallel
+settings rerun every stage that reads them, and the verifier, which reads none, stays the cold
+run's."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from safetensors.torch import load_file
 
-from helpers.pipeline import repro, set_param, sh
+from helpers.pipeline import repro
 
 pytestmark = pytest.mark.slow
-
-PARALLEL = {"vllm.tensor_parallel_size": 2, "vllm.cpu_omp_threads_bind": "0|1",
-            "train.nproc_per_node": 2, "train.threads": 1}
-
 
 # the stages that read vllm.* or train.* (dvc.yaml); vocab reruns only if the TP-2 dataset's
 # bytes differ from the cold run's
@@ -27,14 +22,12 @@ PARALLEL_STAGES = {"configs", "dataset", "extract", "train", "export", "smoke"}
 
 
 @pytest.fixture(scope="module")
-def parallel(micro, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("parallel") / "repo"
-    # a cold per-sample store, as in a fresh clone: every sample is computed at TP 2
-    shutil.copytree(micro[0], repo, symlinks=True, ignore=shutil.ignore_patterns(".eagle3pipe"))
-    for key, value in PARALLEL.items():
-        set_param(repo, key, value)
-    sh(repo, "git", "commit", "-qam", "parallel")
-    return repo, repro(repo)
+def parallel(early):
+    """helpers.parallel's run (the session's background job `parallel`): (repo, the stages that
+    ran)."""
+    run = early.wait("parallel")
+    assert run.rc == 0, f"dvc repro in {run.repo} failed ({run.rc}):\n{run.log[-8000:]}"
+    return run.repo, run.ran
 
 
 def test_every_stage_that_reads_them_runs_at_tp2_with_two_training_processes(parallel):

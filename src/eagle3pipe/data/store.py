@@ -33,6 +33,7 @@ exceed it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -69,6 +70,11 @@ def key(**parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def json_entry(obj: Any) -> bytes:
+    """A JSON entry's bytes: canonical JSON on one line, newline-terminated."""
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
 class Store:
     """One kind of entry (`dataset`: a sample's JSON; `hidden`: a sample's safetensors)."""
 
@@ -84,23 +90,30 @@ class Store:
     def has(self, k: str) -> bool:
         return self.path(k).is_file()
 
-    def put(self, k: str, write: Callable[[Path], None]) -> Path:
-        """Writes an entry with `write(tmp_path)`, atomically; returns its path."""
-        dst = self.path(k)
-        dst.parent.mkdir(parents=True, exist_ok=True)
+    def put(self, k: str, write: Callable[[Path], None] | bytes) -> Path:
+        """Writes an entry atomically, with `write(tmp_path)` or as the bytes given; returns its
+        path. A file's creation is the costly step on some disks (store_writer), so a bytes
+        entry is created once, written through the temporary's descriptor, and nothing else is
+        asked of the filesystem that the write does not need."""
+        dst, data = self.path(k), write if isinstance(write, bytes) else b""
         # unique per writer (pid, host) and call: nodes sharing the store, and threads of one
         # process, never write the same temporary
-        tmp = temp_sibling(dst)
         try:
-            write(tmp)
+            tmp = temp_sibling(dst, data)
+        except FileNotFoundError:  # the first entry of its fan-out directory
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temp_sibling(dst, data)
+        try:
+            if not isinstance(write, bytes):
+                write(tmp)
             os.replace(tmp, dst)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
+            raise
         return dst
 
     def put_json(self, k: str, obj: Any) -> Path:
-        text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-        return self.put(k, lambda p: p.write_text(text + "\n", encoding="utf-8"))
+        return self.put(k, json_entry(obj))
 
     def put_hidden(self, k: str, token_ids: list[int], hidden) -> Path:
         """A sample's hidden states, in the layout of speculators' hs_{i}.safetensors: token_ids

@@ -91,13 +91,22 @@ def writer_tag() -> str:
     return f"{os.getpid()}-{HOST}"
 
 
-def temp_sibling(path: Path) -> Path:
-    """An empty temporary file beside `path`, named for this writer (unique per call), with the
-    mode an ordinary write would give it: for writers that rename it into place themselves."""
+def temp_sibling(path: Path, data: bytes = b"") -> Path:
+    """A temporary file beside `path` holding `data`, named for this writer (unique per call),
+    with the mode an ordinary write would give it: for writers that rename it into place
+    themselves."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.",
                                suffix=".tmp")
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_UMASK)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
     return Path(tmp)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle3pipe.data import store
+from eagle3pipe.data.store_writer import Writer
 from eagle3pipe.data.prompts import Prompt
 from eagle3pipe.engines import engine
 from eagle3pipe.verifier.handle import Verifier
@@ -34,10 +35,10 @@ class Replies:
 
     def __init__(self, v: Verifier, cfg: Any, settings: dict, *, progress: bool = True):
         self.v, self.cfg, self.settings, self.progress = v, cfg, settings, progress
-        self.store = store.Store("dataset")
         self.computed = 0
         self.timing = {"import_s": 0.0, "engine_start_s": 0.0, "generate_s": 0.0}
         self._stack = contextlib.ExitStack()
+        self.store: Writer | store.Store = store.Store("dataset")
         self._llm = None
         self._sampling = None
 
@@ -45,8 +46,14 @@ class Replies:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        self._stack.__exit__(*exc)
         self._llm = None
+
+    def flush(self) -> None:
+        """Waits until every reply generated so far is in the store (before an output that
+        lists their keys is published)."""
+        if isinstance(self.store, Writer):
+            self.store.flush()
 
     def _engine(self):
         """The vLLM engine, started at the first call."""
@@ -56,6 +63,9 @@ class Replies:
             from vllm import SamplingParams
 
             t1 = time.perf_counter()
+            # replies are written beside the engine (store_writer), every one by the block's
+            # end or flush(); it is shut down after the engine (the stack's order)
+            self.store = self._stack.enter_context(Writer(self.store))
             self._llm = self._stack.enter_context(
                 engine.engine(self.settings, self.v.model_dir, tokenizer=self.v.dir))
             self._sampling = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
@@ -69,8 +79,9 @@ class Replies:
         """(token ids, finish reasons) of the replies to `prompts`, whose store keys are `keys`
         (reply_keys). Token ids are exactly what the verifier produced, ending with its stop
         token if it stopped. The replies the store lacks go to the engine dataset.batch_size
-        at a time (engine.finished: vLLM batches as many as it runs at once) and each is stored
-        the moment it finishes, so a crash loses only the replies in flight (a repeated key is
+        at a time (engine.finished: vLLM batches as many as it runs at once) and each is handed
+        to the store the moment it finishes (written beside the engine: store_writer), so a
+        crash loses only the replies in flight or waiting to be written (a repeated key is
         generated once); the others are read from the store."""
         todo = list({k: i for i, k in enumerate(keys) if not self.store.has(k)}.values())
         fresh: dict[str, dict] = {}

@@ -193,6 +193,7 @@ def _stdlib(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_d
         ids, finish = replies.get(prompts, keys)
         samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, ids)]
         _checked(samples, cfg)
+        replies.flush()  # the output lists the replies' keys: they are in the store first
         with atomic_dir(out_dir) as tmp, SplitWriter(tmp, cfg.eval_fraction, cfg.seed) as out:
             for sample, key in zip(samples, keys):
                 out.add(sample, key)
@@ -238,6 +239,7 @@ def _conversations(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int
                 heap.release_free()  # the batch's memory, else resident memory grows with N
             skipped = turns.skipped_by_reason(r)
             _enough(r.report.source, out.splitter.groups, r.report.read, skipped, cfg, at)
+            replies.flush()  # the output lists the replies' keys: they are in the store first
             n_train, n_eval = out.finish()
     metrics = turns.metrics(r, totals, n_train, n_eval)
     metrics["prompts_equal_to_vllm_rendering"] = checker.checked

@@ -650,7 +650,7 @@ def test_the_streamed_split_writes_what_the_in_memory_split_gives(tmp_path, frac
     leave one split empty by the hash alone)."""
     samples = [{"id": f"c.jsonl:{i}#{d}", "input_ids": [i, d], "loss_mask": [0, 1]}
                for i in range(5) for d in range(1, i % 3 + 2)]
-    keys = {s["id"]: f"key-{n}" for n, s in enumerate(samples)}
+    keys = {s["id"]: f"{n:064x}" for n, s in enumerate(samples)}  # data.store.key's shape
     with output.SplitWriter(tmp_path, fraction, 0, group=output.group_of) as w:
         for s in samples:
             w.add(s, keys[s["id"]])
@@ -662,6 +662,23 @@ def test_the_streamed_split_writes_what_the_in_memory_split_gives(tmp_path, frac
         assert (tmp_path / f"{name}.jsonl").read_text() == "".join(map(line, want))
     assert (tmp_path / "store_keys.json").read_text() == dumps(
         {"eval": [keys[s["id"]] for s in evals], "train": [keys[s["id"]] for s in train]})
+
+
+def test_the_split_writer_keeps_no_key_alive(tmp_path):
+    """32 bytes per sample, not the key strings: one kept from each batch would pin that
+    batch's freed memory (bench/conversations.py's memory figure)."""
+    import sys
+
+    key = "".join(["a"] * 64)  # a string of its own (not interned), data.store.key's shape
+    before = sys.getrefcount(key)
+    with output.SplitWriter(tmp_path, 0.0, 0) as w:
+        w.add({"id": "s0", "input_ids": [1], "loss_mask": [1]}, key)
+        assert sys.getrefcount(key) == before
+        assert w.finish() == (1, 0)
+    assert json.loads((tmp_path / "store_keys.json").read_text()) == {"eval": [],
+                                                                      "train": [key]}
+    with output.SplitWriter(tmp_path, 0.0, 0) as w, pytest.raises(ValueError, match="store key"):
+        w.add({"id": "s1", "input_ids": [1], "loss_mask": [1]}, "key-1")
 
 
 def test_split_is_deterministic_and_stable():

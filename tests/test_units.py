@@ -147,6 +147,42 @@ def test_store_writers_never_share_a_temporary_and_gc_removes_dead_writers_lefto
     assert not left.exists() and not capture_dir.exists() and hs.has("k")
 
 
+def test_the_store_writer_process_puts_what_a_put_in_this_process_would(tmp_path):
+    """data.store_writer: the dataset stage's replies written by a child process. Entries are
+    readable from their put on, in place with put_json's bytes after flush, one per key."""
+    import signal
+
+    from eagle3pipe.data.store_writer import Writer
+
+    here, there = store.Store("dataset", tmp_path / "a"), store.Store("dataset", tmp_path / "b")
+    objs = {store.key(sample=i): {"reply": list(range(i)), "finish": "length"}
+            for i in range(300)}
+    with Writer(there) as w:
+        for k, obj in objs.items():
+            w.put_json(k, obj)
+            here.put_json(k, obj)
+            assert w.has(k) and w.get_json(k) == obj
+        w.flush()
+        assert all(there.path(k).read_bytes() == here.path(k).read_bytes() for k in objs)
+        assert len(there.entries()) == 300 and not list(there.dir.rglob("*.tmp"))
+    # a write that fails is raised in the stage's process, naming its file
+    blocked = store.Store("dataset", tmp_path / "c")
+    blocked.dir.mkdir(parents=True)
+    k = store.key(sample="x")
+    (blocked.dir / k[:2]).write_text("a file where the fan-out directory goes")
+    with pytest.raises(OSError) as e, Writer(blocked) as w:
+        w.put_json(k, 1)
+        w.flush()
+    assert e.value.filename and str(blocked.dir / k[:2]) in e.value.filename
+    # a writer that dies is an error, not a silent loss
+    with pytest.raises(Error, match="store writer .* ended"):
+        with Writer(store.Store("dataset", tmp_path / "d")) as w:
+            os.kill(w._proc.pid, signal.SIGKILL)
+            w._proc.wait()
+            w.put_json(store.key(sample="y"), 1)
+            w.flush()
+
+
 def test_a_pin_outlives_the_entry_and_a_claim_is_one_live_writers(tmp_path, monkeypatch):
     from eagle3pipe.runtime import atomic
 
@@ -608,6 +644,22 @@ def test_a_lease_is_held_while_its_block_runs_and_its_heartbeat_renews_it():
             time.sleep(0.02)
         assert mine.stat().st_mtime > time.time() - 60 and leases.dead(base) == []
     assert not mine.exists() and leases.held(base) == {}
+
+
+def test_a_held_lease_keeps_no_key_alive():
+    """A data stage holds a lease per batch until its output is published: a key kept alive by
+    each would pin the batch's freed memory (bench/conversations.py's memory figure)."""
+    import contextlib
+    import sys
+
+    from eagle3pipe.data import leases
+
+    key = "".join(["k", "e", "y"])  # a string of its own (not interned)
+    before = sys.getrefcount(key)
+    with contextlib.ExitStack() as stack:  # as the dataset stage holds them
+        stack.enter_context(leases.hold(store.root(), {"dataset": [key]}))
+        assert sys.getrefcount(key) == before
+        assert leases.held(store.root()) == {"dataset": {"key"}}
 
 
 def test_the_ranks_of_one_run_share_their_entries_and_other_runs_leases_hold():

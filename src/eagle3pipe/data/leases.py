@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from eagle3pipe.runtime.atomic import temp_sibling, writer_alive, writer_tag
 
@@ -29,36 +29,46 @@ TTL_S = 300.0
 _parsed: dict[Path, tuple] = {}  # path -> (inode, size, (run, keys))
 
 
-@contextlib.contextmanager
-def hold(base: Path, keys: dict[str, Iterable[str]], *, run: str | None = None,
-         heartbeat: float = HEARTBEAT_S) -> Iterator[Path]:
+class hold(contextlib.AbstractContextManager):
     """A live lease on `keys` (kind -> store keys) under the store root `base` for the block;
-    yields its path (what held(mine=...) leaves out, with every lease of the same `run`: the
-    processes of one training run share its entries and their cleanup). Removed at the end of
-    the block."""
-    d = Path(base) / LEASES
-    d.mkdir(parents=True, exist_ok=True)
-    doc = {"pid": os.getpid(), "writer": writer_tag(), "run": run,
-           "keys": {kind: sorted(set(ks)) for kind, ks in keys.items()}}
-    tmp = temp_sibling(d / "lease.json")
-    tmp.write_text(json.dumps(doc, sort_keys=True))
-    path = d / f"{writer_tag()}.{tmp.name.rsplit('.', 2)[1]}.json"  # mkstemp's random part
-    os.replace(tmp, path)
-    stop = threading.Event()
+    `with` gives its path (what held(mine=...) leaves out, with every lease of the same `run`:
+    the processes of one training run share its entries and their cleanup). Removed at the end
+    of the block. The lease keeps no key alive meanwhile (only its file lists them): a data
+    stage holds one lease per batch until its output is published, and a key string kept from
+    each batch would pin that batch's freed memory pages (CPython frees a page only when every
+    object on it is gone)."""
 
-    def beat() -> None:
-        while not stop.wait(heartbeat):
+    def __init__(self, base: Path, keys: dict[str, Iterable[str]], *, run: str | None = None,
+                 heartbeat: float = HEARTBEAT_S):
+        self._dir, self._heartbeat = Path(base) / LEASES, heartbeat
+        self._text: str | None = json.dumps(
+            {"pid": os.getpid(), "writer": writer_tag(), "run": run,
+             "keys": {kind: sorted(set(ks)) for kind, ks in keys.items()}}, sort_keys=True)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.path: Path | None = None
+
+    def __enter__(self) -> Path:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(self._dir / "lease.json")
+        tmp.write_text(self._text)
+        self._text = None
+        path = self._dir / f"{writer_tag()}.{tmp.name.rsplit('.', 2)[1]}.json"  # mkstemp's part
+        os.replace(tmp, path)
+        self.path = path
+        self._thread = threading.Thread(target=self._beat, name="store-lease", daemon=True)
+        self._thread.start()
+        return path
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat):
             with contextlib.suppress(OSError):
-                os.utime(path)
-
-    t = threading.Thread(target=beat, name="store-lease", daemon=True)
-    t.start()
-    try:
-        yield path
-    finally:
-        stop.set()
-        t.join()
-        path.unlink(missing_ok=True)
+                os.utime(self.path)
 
 
 def _leases(base: Path) -> list[Path]:

@@ -191,7 +191,28 @@ def publish(src: Path, dst: Path) -> bool:
 
 def used_bytes(base: Path | None = None) -> int:
     """What the store's entries (every kind) hold now."""
-    return sum(p.stat().st_size for kind in KINDS for p in Store(kind, base).entries())
+    return usage(base)[1]
+
+
+def usage(base: Path | None = None) -> tuple[int, int]:
+    """(entries, bytes) of the store (every kind), counted as the directories are read: no list
+    of the entries, whose number grows with the data."""
+    n = total = 0
+    for kind, ext in KINDS.items():
+        d = Store(kind, base).dir
+        if not d.is_dir():
+            continue
+        with os.scandir(d) as fanout:
+            for sub in fanout:
+                if len(sub.name) != 2 or not sub.is_dir():
+                    continue
+                with os.scandir(sub.path) as found:
+                    for e in found:
+                        if e.name.endswith(ext):
+                            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                                total += e.stat().st_size
+                                n += 1
+    return n, total
 
 
 def counts_path(stage: str, dvc_yaml: str | os.PathLike) -> Path | None:
@@ -230,9 +251,18 @@ def bound() -> tuple[int, str]:
 
 
 def enforce_bound(repo: Path = Path(".")) -> dict:
-    """Run by each data stage after it published: gc() down to bound(), logged."""
+    """Run by each data stage after it published: gc() down to bound(), logged. Under the bound
+    (the usual case) nothing is removed, so only the dead writers' leftovers are: what the
+    entries refer to (every dvc.lock in the git history) is read only when some must go."""
     limit, source = bound()
-    r = gc(repo, limit)
+    n, total = usage()
+    if total <= limit:
+        left, left_bytes = leftovers(root())
+        r = {"store": str(root()), "entries": n, "bytes": total, "removed": 0,
+             "freed_bytes": 0, "bytes_after": total, "leftovers_removed": len(left),
+             "leftovers_bytes": left_bytes, "over_bound": False}
+    else:
+        r = gc(repo, limit)
     log.info("store %s: %d entries, %s; bound %s (%s); removed %d unreferenced (%s)",
              r["store"], r["entries"] - r["removed"], human(r["bytes_after"]), human(limit),
              source, r["removed"], human(r["freed_bytes"]))
@@ -318,6 +348,17 @@ def dead_claims(base: Path | None = None) -> list[Path]:
     return found
 
 
+def leftovers(base: Path, *, dry_run: bool = False) -> tuple[list[Path], int]:
+    """Removes (unless dry_run) and returns, with their bytes, the temporaries dead writers on
+    this host left in the store (runtime.atomic.dead_writers), dead runs' leases and claims."""
+    left = dead_writers(base) + leases.dead(base) + dead_claims(base) if base.is_dir() else []
+    left_bytes = sum(_tree_bytes(p) for p in left)
+    if not dry_run:
+        for p in left:
+            remove(p)
+    return left, left_bytes
+
+
 def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path | None = None
        ) -> dict:
     """Removes store entries no committed dvc.lock, experiment, workspace output or live lease
@@ -342,12 +383,7 @@ def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path |
             p.unlink()
         removed, freed = removed + 1, freed + size
     kept_bytes = total - freed
-    left = dead_writers(base or root()) + leases.dead(base or root()) + dead_claims(base) \
-        if (base or root()).is_dir() else []
-    left_bytes = sum(_tree_bytes(p) for p in left)
-    if not dry_run:
-        for p in left:
-            remove(p)
+    left, left_bytes = leftovers(base or root(), dry_run=dry_run)
     return {"store": str((base or root())), "entries": len(entries), "bytes": total,
             "removed": removed, "freed_bytes": freed, "bytes_after": kept_bytes,
             "leftovers_removed": len(left), "leftovers_bytes": left_bytes,

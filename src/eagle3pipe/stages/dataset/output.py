@@ -14,12 +14,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from eagle3pipe.data.samples import line
 from eagle3pipe.runtime.jsonio import write_json
 
 SPLITS = ("train", "eval")
+KEY_BYTES = 32  # a store key (data.store.key: a sha256) as raw bytes
 
 
 def split_of(sample_id: str, seed: int) -> float:
@@ -86,14 +87,17 @@ class SplitWriter:
     """folder/{train,eval}.jsonl, one canonical line per sample as it is added (samples.line),
     and on finish() folder/store_keys.json: each split's reply-store keys in the order of its
     samples (what `eagle3pipe gc` keeps). For use as a context manager inside the stage's
-    atomic output folder. Memory: the store keys (one short string per sample), nothing else
-    that grows; moving a group (Splitter.moved) rereads the other split's file."""
+    atomic output folder. Memory: 32 bytes per sample (its key, raw, in one buffer per split),
+    nothing else that grows: a key kept as a string from each batch would pin the memory
+    pages that batch's short-lived objects shared with it (CPython frees a page only when
+    every object on it is gone), and resident memory would grow with the source by far more
+    than the keys. Moving a group (Splitter.moved) rereads the other split's file."""
 
     def __init__(self, folder: Path, eval_fraction: float, seed: int,
                  group: Callable[[str], str] = lambda i: i):
         self.folder, self.group = Path(folder), group
         self.splitter = Splitter(eval_fraction, seed)
-        self.keys: dict[str, list[str]] = {name: [] for name in SPLITS}
+        self.keys: dict[str, bytearray] = {name: bytearray() for name in SPLITS}
         self._files = {name: (self.folder / f"{name}.jsonl").open("w", encoding="utf-8",
                                                                    newline="\n")
                        for name in SPLITS}
@@ -107,8 +111,14 @@ class SplitWriter:
 
     def add(self, sample: dict, key: str) -> None:
         name = "eval" if self.splitter.is_eval(self.group(sample["id"])) else "train"
+        try:
+            raw = bytes.fromhex(key)
+        except ValueError:
+            raw = b""
+        if len(raw) != KEY_BYTES:
+            raise ValueError(f"{sample['id']}: {key!r} is not a store key (data.store.key)")
         self._files[name].write(line(sample))
-        self.keys[name].append(key)
+        self.keys[name] += raw
 
     def finish(self) -> tuple[int, int]:
         """Closes the files, moves a group if a split is empty, writes store_keys.json;
@@ -117,18 +127,37 @@ class SplitWriter:
         moved = self.splitter.moved()
         if moved:
             self._move(*moved)
-        write_json(self.folder / "store_keys.json", {name: self.keys[name] for name in SPLITS})
-        return len(self.keys["train"]), len(self.keys["eval"])
+        self._write_keys(self.folder / "store_keys.json")
+        return len(self.keys["train"]) // KEY_BYTES, len(self.keys["eval"]) // KEY_BYTES
+
+    def split_keys(self, name: str) -> Iterator[str]:
+        """A split's store keys, in the order of its samples."""
+        raw = self.keys[name]
+        return (raw[i:i + KEY_BYTES].hex() for i in range(0, len(raw), KEY_BYTES))
+
+    def _write_keys(self, path: Path) -> None:
+        """store_keys.json as runtime.jsonio.write_json writes {split: [keys]}, byte for byte,
+        one key at a time (no list of every key)."""
+        with path.open("w", encoding="utf-8", newline="\n") as fh:
+            fh.write("{\n")
+            for n, name in enumerate(sorted(SPLITS)):
+                keys = self.split_keys(name)
+                first = next(keys, None)
+                fh.write(f'  "{name}": ' + ("[]" if first is None else f'[\n    "{first}"'))
+                for k in keys:
+                    fh.write(f',\n    "{k}"')
+                fh.write(("" if first is None else "\n  ]") + (",\n" if n == 0 else "\n"))
+            fh.write("}\n")
 
     def _move(self, group: str, to_eval: bool) -> None:
         """`group`'s samples from one split to the other, which is empty (hence the move)."""
         src, dst = ("train", "eval") if to_eval else ("eval", "train")
         path = self.folder / f"{src}.jsonl"
         rows = list(zip(path.read_text(encoding="utf-8").splitlines(keepends=True),
-                        self.keys[src]))
+                        self.split_keys(src)))
         goes = [self.group(json.loads(text)["id"]) == group for text, _ in rows]
         for name, keep in ((src, False), (dst, True)):
             picked = [r for r, g in zip(rows, goes) if g == keep]
             (self.folder / f"{name}.jsonl").write_text("".join(t for t, _ in picked),
                                                        encoding="utf-8", newline="\n")
-            self.keys[name] = [k for _, k in picked]
+            self.keys[name] = bytearray(b"".join(bytes.fromhex(k) for _, k in picked))

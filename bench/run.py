@@ -40,7 +40,7 @@ MODES = {
                  train_packs=4, train_repeats=3, dvc_repeats=5,
                  scaling=dict(hiddens=(64, 128, 256), seq_lens=(128, 512), vocab=4096,
                               tokens=16384, batch_tokens=2048, n_packs=3, repeats=2),
-                 conversations=dict(n=10_000, memory_sizes=[1_000, 10_000], repeats=2,
+                 conversations=dict(n=10_000, memory_sizes=[1_000, 3_000, 10_000], repeats=2,
                                     max_repeats=2)),
 }
 TARGETS = {

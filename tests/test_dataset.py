@@ -665,8 +665,7 @@ def test_the_streamed_split_writes_what_the_in_memory_split_gives(tmp_path, frac
 
 
 def test_the_split_writer_keeps_no_key_alive(tmp_path):
-    """32 bytes per sample, not the key strings: one kept from each batch would pin that
-    batch's freed memory (bench/conversations.py's memory figure)."""
+    """32 bytes per sample, not the key strings (bench/conversations.py's memory figure)."""
     import sys
 
     key = "".join(["a"] * 64)  # a string of its own (not interned), data.store.key's shape

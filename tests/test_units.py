@@ -648,7 +648,7 @@ def test_a_lease_is_held_while_its_block_runs_and_its_heartbeat_renews_it():
 
 def test_a_held_lease_keeps_no_key_alive():
     """A data stage holds a lease per batch until its output is published: a key kept alive by
-    each would pin the batch's freed memory (bench/conversations.py's memory figure)."""
+    each would grow with the data (bench/conversations.py's memory figure)."""
     import contextlib
     import sys
 

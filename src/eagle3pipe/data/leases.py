@@ -34,9 +34,8 @@ class hold(contextlib.AbstractContextManager):
     `with` gives its path (what held(mine=...) leaves out, with every lease of the same `run`:
     the processes of one training run share its entries and their cleanup). Removed at the end
     of the block. The lease keeps no key alive meanwhile (only its file lists them): a data
-    stage holds one lease per batch until its output is published, and a key string kept from
-    each batch would pin that batch's freed memory pages (CPython frees a page only when every
-    object on it is gone)."""
+    stage holds one lease per batch until its output is published, so what it keeps must not
+    grow with the data."""
 
     def __init__(self, base: Path, keys: dict[str, Iterable[str]], *, run: str | None = None,
                  heartbeat: float = HEARTBEAT_S):

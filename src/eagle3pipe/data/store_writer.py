@@ -2,8 +2,8 @@
 owns the entries; this module only moves their writes out of the stage's process).
 
 The dataset stage stores each reply the moment the engine returns it. A file's creation is
-system time, 0.1 to 1 ms on some virtual disks (an ext4 inode allocation; measured on a 2-core
-AMD EPYC machine), as long as generating a short reply on a small verifier. A thread would not
+system time, 0.1 to 1 ms on some virtual disks (an ext4 one on a 2-core AMD EPYC machine,
+varying by directory and minute), as long as generating a short reply on a small verifier. A thread would not
 take it off the engine's path: between its system calls it needs the interpreter lock, which
 the engine's Python loop holds, so it waits up to the switch interval (5 ms) at every call and
 the writes fall behind. A process writes beside the engine on another core.

@@ -147,6 +147,7 @@ def test_store_writers_never_share_a_temporary_and_gc_removes_dead_writers_lefto
     assert not left.exists() and not capture_dir.exists() and hs.has("k")
 
 
+@pytest.mark.integration  # starts processes
 def test_the_store_writer_process_puts_what_a_put_in_this_process_would(tmp_path):
     """data.store_writer: the dataset stage's replies written by a child process. Entries are
     readable from their put on, in place with put_json's bytes after flush, one per key."""
@@ -587,6 +588,7 @@ def _hybrid_run(world: int, epochs: int, samples: int) -> tuple[dict, list[tuple
     return {r[0]: r[2] for r in results}, sum((r[1] for r in results), []), plan
 
 
+@pytest.mark.integration  # starts processes
 def test_two_hybrid_processes_share_one_bound_and_compute_each_sample_once(monkeypatch):
     one = store.Store("hidden").put_hidden("x", [1, 2, 3], torch.zeros(3, SLOTS, H)).stat().st_size
     store.Store("hidden").path("x").unlink()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3pipe.data import store
+from eagle3pipe.data import gc, store
 from eagle3pipe.errors import Error
 from eagle3pipe.hidden import keys, online, spec
 from eagle3pipe.runtime import distributed, environment
@@ -130,76 +130,77 @@ def test_store_writers_never_share_a_temporary_and_gc_removes_dead_writers_lefto
     from eagle3pipe.runtime import atomic
 
     monkeypatch.setenv(environment.STORE, str(tmp_path / "store"))
-    hs = store.Store("dataset")
+    hs = store.Store("hidden")
     seen: list[Path] = []
     hs.put("k", lambda tmp: (seen.append(tmp), tmp.write_text("1")))
     hs.put("k", lambda tmp: (seen.append(tmp), tmp.write_text("2")))
     assert seen[0] != seen[1] and all(f".{atomic.writer_tag()}." in p.name for p in seen)
-    assert hs.get_json("k") == 2 and oct(hs.path("k").stat().st_mode & 0o777) == \
+    assert hs.path("k").read_text() == "2" and oct(hs.path("k").stat().st_mode & 0o777) == \
         oct(0o666 & ~atomic._UMASK)
-    left = hs.path("k").with_name(f".k.json.{_dead_pid()}-{atomic.HOST}.xyz.tmp")
+    left = hs.path("k").with_name(f".k.safetensors.{_dead_pid()}-{atomic.HOST}.xyz.tmp")
     left.write_text("half")
     capture_dir = tmp_path / "store" / f".vllm-hidden.{_dead_pid()}-{atomic.HOST}.q.tmp"
     (capture_dir / "sub").mkdir(parents=True)
     (capture_dir / "sub" / "a.safetensors").write_bytes(b"x" * 10)
-    r = store.gc(tmp_path, None, base=tmp_path / "store")
+    r = gc.gc(tmp_path, None, base=tmp_path / "store")
     assert (r["leftovers_removed"], r["leftovers_bytes"]) == (2, 14)
     assert not left.exists() and not capture_dir.exists() and hs.has("k")
 
 
-@pytest.mark.integration  # starts processes
-def test_the_store_writer_process_puts_what_a_put_in_this_process_would(tmp_path):
-    """data.store_writer: the dataset stage's replies written by a child process. Entries are
-    readable from their put on, in place with put_json's bytes after flush, one per key."""
-    import signal
+def test_the_dataset_kind_is_one_database_its_rows_gc_and_bound_count_and_remove(
+        tmp_path, monkeypatch):
+    """data.store_db: replies are rows of one SQLite database, written a transaction per
+    engine step; gc removes unreferenced rows oldest first, as it removes hidden files, and
+    usage counts both kinds."""
+    from eagle3pipe.data import leases
 
-    from eagle3pipe.data.store_writer import Writer
-
-    here, there = store.Store("dataset", tmp_path / "a"), store.Store("dataset", tmp_path / "b")
+    monkeypatch.setenv(environment.STORE, str(tmp_path / "store"))
+    t = store.table()
+    assert not t.has("a") and store.usage() == (0, 0) and not t.path.exists()  # nothing made
     objs = {store.key(sample=i): {"reply": list(range(i)), "finish": "length"}
             for i in range(300)}
-    with Writer(there) as w:
-        for k, obj in objs.items():
-            w.put_json(k, obj)
-            here.put_json(k, obj)
-            assert w.has(k) and w.get_json(k) == obj
-        w.flush()
-        assert all(there.path(k).read_bytes() == here.path(k).read_bytes() for k in objs)
-        assert len(there.entries()) == 300 and not list(there.dir.rglob("*.tmp"))
-    # a write that fails is raised in the stage's process, naming its file
-    blocked = store.Store("dataset", tmp_path / "c")
-    blocked.dir.mkdir(parents=True)
-    k = store.key(sample="x")
-    (blocked.dir / k[:2]).write_text("a file where the fan-out directory goes")
-    with pytest.raises(OSError) as e, Writer(blocked) as w:
-        w.put_json(k, 1)
-        w.flush()
-    assert e.value.filename and str(blocked.dir / k[:2]) in e.value.filename
-    # a writer that dies is an error, not a silent loss
-    with pytest.raises(Error, match="store writer .* ended"):
-        with Writer(store.Store("dataset", tmp_path / "d")) as w:
-            os.kill(w._proc.pid, signal.SIGKILL)
-            w._proc.wait()
-            w.put_json(store.key(sample="y"), 1)
-            w.flush()
+    t.put_many((k, store.json_entry(o)) for k, o in objs.items())
+    t.put_many([(next(iter(objs)), b"other bytes")])  # an entry's key determines it: kept
+    assert all(t.has(k) and t.get_json(k) == o for k, o in objs.items())
+    n_bytes = sum(len(store.json_entry(o)) for o in objs.values())
+    assert store.usage() == (300, n_bytes)
+    with store.table() as other:  # another connection (another process) sees every row
+        assert other.usage() == (300, n_bytes)
+    hs, h = store.Store("hidden"), store.key(sample="h")
+    hs.put_hidden(h, [1, 2], torch.zeros(2, SLOTS, H))
+    assert store.usage() == (301, n_bytes + hs.path(h).stat().st_size)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    keep = list(objs)[:5]
+    with leases.hold(store.root(), {"dataset": keep}):
+        r = gc.gc(repo, None)
+    assert (r["entries"], r["removed"]) == (301, 296), r
+    assert [k for k in objs if t.has(k)] == keep and not hs.has(h)
+    t.close()
+    (store.root() / "dataset.sqlite").write_bytes(b"not a database" * 100)
+    for f in ("dataset.sqlite-wal", "dataset.sqlite-shm"):
+        (store.root() / f).unlink(missing_ok=True)
+    with pytest.raises(Error, match="dataset.sqlite: the dataset store's database") as e:
+        store.table().has("a")
+    assert "fix: if another process holds it" in str(e.value) and "remove it" in str(e.value)
 
 
 def test_a_pin_outlives_the_entry_and_a_claim_is_one_live_writers(tmp_path, monkeypatch):
     from eagle3pipe.runtime import atomic
 
     monkeypatch.setenv(environment.STORE, str(tmp_path / "store"))
-    hs, k = store.Store("dataset"), store.key(sample=1)
+    hs, k = store.Store("hidden"), store.key(sample=1)
     assert hs.pin(k) is None  # not in the store
-    hs.put_json(k, 1)
+    hs.put(k, b"1")
     pinned = hs.pin(k)
     hs.path(k).unlink()  # another rank drops it: the pin still reads
-    assert json.loads(pinned.read_text()) == 1 and atomic.LEFTOVER.fullmatch(pinned.name)
+    assert pinned.read_text() == "1" and atomic.LEFTOVER.fullmatch(pinned.name)
     assert hs.claim(k) and not hs.claim(k)  # held by a live writer (this one)
     hs.unclaim(k)
     assert hs.claim(k)
     hs.claim_path(k).write_text(f"{_dead_pid()}-{atomic.HOST}")  # its writer died
-    assert store.dead_claims() == [hs.claim_path(k)]
-    r = store.gc(tmp_path, None, base=tmp_path / "store")
+    assert gc.dead_claims() == [hs.claim_path(k)]
+    r = gc.gc(tmp_path, None, base=tmp_path / "store")
     assert r["leftovers_removed"] == 1 and not hs.claim_path(k).exists()
     hs.claim_path(k).write_text(f"{_dead_pid()}-{atomic.HOST}")
     assert hs.claim(k) and hs.claim_path(k).read_text() == atomic.writer_tag()  # taken over
@@ -698,7 +699,7 @@ def test_dead_leases_hold_nothing_and_gc_removes_them(tmp_path):
         hs.put_hidden(k, [1, 2], torch.zeros(2, SLOTS, H))
     repo = tmp_path / "repo"
     repo.mkdir()
-    r = store.gc(repo, None)  # every unreferenced entry: all but the live lease's
+    r = gc.gc(repo, None)  # every unreferenced entry: all but the live lease's
     assert (r["removed"], r["leftovers_removed"]) == (2, 2), r
     assert hs.has("z0") and not hs.has("x0") and not hs.has("y0")
     assert not killed.exists() and not stalled.exists() and remote.exists()
@@ -713,9 +714,9 @@ def test_gc_and_a_bound_keep_what_a_live_run_leases_then_remove_it(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     with leases.hold(store.root(), {"hidden": ["old"]}):
-        r = store.gc(repo, 0)  # a bound of nothing, as another run's enforce_bound could have
+        r = gc.gc(repo, 0)  # a bound of nothing, as another run's enforce_bound could have
         assert r["removed"] == 1 and hs.has("old") and not hs.has("new"), r
-    assert store.gc(repo, 0)["removed"] == 1 and not hs.has("old")
+    assert gc.gc(repo, 0)["removed"] == 1 and not hs.has("old")
 
 
 def test_a_pack_the_trainer_is_past_is_not_computed_again():

@@ -14,49 +14,46 @@ the on-demand engines run in vLLM's batch-invariant mode for the same guarantee
 (eagle3pipe.engines.engine.on_demand_settings); an offline run there needs VLLM_BATCH_INVARIANT=1
 exported for it.
 
-Entries are written atomically (a temporary beside the entry, then os.replace) and never
-modified: a published DVC output is assembled from them with hard links where the filesystem
-allows (no second copy on disk), else copies. DVC's view stays exact: the outputs are still DVC
-outputs with content hashes; the store is only where their pieces were computed.
+Entries: the `hidden` kind's are files (Store: one safetensors file per sample, written
+atomically, a temporary beside the entry then os.replace, and never modified), which a published
+DVC output links (hard links where the filesystem allows: no second copy on disk, else copies);
+the `dataset` kind's (each reply's JSON, a few hundred bytes) are rows of one SQLite database
+(eagle3pipe.data.store_db). DVC's view stays exact: the outputs are still DVC outputs with
+content hashes; the store is only where their pieces were computed.
 
 Where: `.eagle3pipe/data/store/` under the project root (git-ignored), or $EAGLE3PIPE_STORE. What
 each run computed, reused and skipped: `metrics/<stage>_store.json` (record), a top-level
 metrics file of dvc.yaml, not a stage output.
 
 Size: after publishing, each data stage removes unreferenced entries, oldest first, until the
-store holds at most $EAGLE3PIPE_STORE_MAX_BYTES (default DEFAULT_BOUND; enforce_bound), and
-`eagle3pipe gc [--max-bytes]` does the same on demand. Both keep every entry that the
-workspace's outputs, a dvc.lock on any git ref or a DVC experiment still refers to (referenced),
-and every entry a live run holds a lease on (eagle3pipe.data.leases):
-the bound is never met by deleting what a checkout would need; the log says when those alone
-exceed it.
+store holds at most $EAGLE3PIPE_STORE_MAX_BYTES (default DEFAULT_BOUND), and `eagle3pipe gc
+[--max-bytes]` does the same on demand (eagle3pipe.data.gc). Both keep every entry that the
+workspace's outputs, a dvc.lock on any git ref or a DVC experiment still refers to, and every
+entry a live run holds a lease on (eagle3pipe.data.leases): the bound is never met by deleting
+what a checkout would need; the log says when those alone exceed it.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from eagle3pipe.config import dvcfile
-from eagle3pipe.data import leases
-from eagle3pipe.errors import Error
+from eagle3pipe.data.store_db import Table
 from eagle3pipe.runtime import environment
-from eagle3pipe.runtime.atomic import (dead_writers, remove, temp_sibling, writer_alive,
-                                       writer_tag)
+from eagle3pipe.runtime.atomic import temp_sibling, writer_alive, writer_tag
 from eagle3pipe.runtime.jsonio import write_json
-from eagle3pipe.runtime.units import human, parse_size
-
-log = logging.getLogger("eagle3pipe.data.store")
+from eagle3pipe.runtime.units import parse_size
 
 STORE_VERSION = 1
 DEFAULT_BOUND = "50G"  # like ccache's max_size: a machine setting, so not in params.yaml
 DEFAULT_ROOT = ".eagle3pipe/data/store"
-KINDS = {"dataset": ".json", "hidden": ".safetensors"}
+KINDS = ("dataset", "hidden")  # dataset: rows of store_db.Table; hidden: files of Store
+FILES = {"hidden": ".safetensors"}  # the kinds kept as a file per entry, and their suffix
 CLAIM = ".claim"  # Store.claim: a writer computing an entry
 
 
@@ -75,13 +72,18 @@ def json_entry(obj: Any) -> bytes:
     return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
+def table(base: Path | None = None) -> Table:
+    """The dataset kind's entries (the regenerated replies' JSON)."""
+    return Table(base or root())
+
+
 class Store:
-    """One kind of entry (`dataset`: a sample's JSON; `hidden`: a sample's safetensors)."""
+    """A kind of entry kept as a file each (FILES: `hidden`, a sample's safetensors)."""
 
     def __init__(self, kind: str, base: Path | None = None):
-        if kind not in KINDS:
-            raise ValueError(f"store kind must be one of {sorted(KINDS)}, got {kind!r}")
-        self.kind, self.ext = kind, KINDS[kind]
+        if kind not in FILES:
+            raise ValueError(f"file store kind must be one of {sorted(FILES)}, got {kind!r}")
+        self.kind, self.ext = kind, FILES[kind]
         self.dir = (base or root()) / kind
 
     def path(self, k: str) -> Path:
@@ -92,9 +94,8 @@ class Store:
 
     def put(self, k: str, write: Callable[[Path], None] | bytes) -> Path:
         """Writes an entry atomically, with `write(tmp_path)` or as the bytes given; returns its
-        path. A file's creation is the costly step on some disks (store_writer), so a bytes
-        entry is created once, written through the temporary's descriptor, and nothing else is
-        asked of the filesystem that the write does not need."""
+        path. A bytes entry is created once and written through the temporary's descriptor:
+        a file's creation is the costly step on some disks (eagle3pipe.data.store_db)."""
         dst, data = self.path(k), write if isinstance(write, bytes) else b""
         # unique per writer (pid, host) and call: nodes sharing the store, and threads of one
         # process, never write the same temporary
@@ -111,9 +112,6 @@ class Store:
             tmp.unlink(missing_ok=True)
             raise
         return dst
-
-    def put_json(self, k: str, obj: Any) -> Path:
-        return self.put(k, json_entry(obj))
 
     def put_hidden(self, k: str, token_ids: list[int], hidden) -> Path:
         """A sample's hidden states, in the layout of speculators' hs_{i}.safetensors: token_ids
@@ -172,9 +170,6 @@ class Store:
     def claim_path(self, k: str) -> Path:
         return self.dir / k[:2] / f".{k}{CLAIM}"
 
-    def get_json(self, k: str) -> Any:
-        return json.loads(self.path(k).read_text(encoding="utf-8"))
-
     def entries(self) -> list[Path]:
         return sorted(self.dir.glob(f"??/*{self.ext}")) if self.dir.is_dir() else []
 
@@ -190,15 +185,26 @@ def publish(src: Path, dst: Path) -> bool:
 
 
 def used_bytes(base: Path | None = None) -> int:
-    """What the store's entries (every kind) hold now."""
-    return usage(base)[1]
+    """What the store holds on disk now: the file kinds' entries and the dataset database's
+    files, by their sizes alone (no database connection: the training processes of a run
+    across nodes call this on a shared store, where SQLite's WAL must not be opened)."""
+    return _files(base)[1] + table(base).disk_bytes()
 
 
 def usage(base: Path | None = None) -> tuple[int, int]:
-    """(entries, bytes) of the store (every kind), counted as the directories are read: no list
-    of the entries, whose number grows with the data."""
+    """(entries, bytes) of the store, every kind: the dataset database's rows and their JSON's
+    bytes (gc counts the same), the files of the others; counted as the directories are
+    read: no list of the entries, whose number grows with the data. On the host of the data
+    stages (it opens the database)."""
+    with table(base) as t:
+        rows, row_bytes = t.usage()
+    n, total = _files(base)
+    return n + rows, total + row_bytes
+
+
+def _files(base: Path | None) -> tuple[int, int]:
     n = total = 0
-    for kind, ext in KINDS.items():
+    for kind, ext in FILES.items():
         d = Store(kind, base).dir
         if not d.is_dir():
             continue
@@ -248,144 +254,3 @@ def bound() -> tuple[int, str]:
     if n is None:
         return parse_size(DEFAULT_BOUND), f"the default {DEFAULT_BOUND}; set ${name}"
     return n, f"${name}={environment.text(name)}"
-
-
-def enforce_bound(repo: Path = Path(".")) -> dict:
-    """Run by each data stage after it published: gc() down to bound(), logged. Under the bound
-    (the usual case) nothing is removed, so only the dead writers' leftovers are: what the
-    entries refer to (every dvc.lock in the git history) is read only when some must go."""
-    limit, source = bound()
-    n, total = usage()
-    if total <= limit:
-        left, left_bytes = leftovers(root())
-        r = {"store": str(root()), "entries": n, "bytes": total, "removed": 0,
-             "freed_bytes": 0, "bytes_after": total, "leftovers_removed": len(left),
-             "leftovers_bytes": left_bytes, "over_bound": False}
-    else:
-        r = gc(repo, limit)
-    log.info("store %s: %d entries, %s; bound %s (%s); removed %d unreferenced (%s)",
-             r["store"], r["entries"] - r["removed"], human(r["bytes_after"]), human(limit),
-             source, r["removed"], human(r["freed_bytes"]))
-    if r["over_bound"]:
-        log.warning("store %s: the entries the workspace, dvc.lock and experiments refer to "
-                    "alone take %s, over the bound %s (%s); fix: raise the bound, or drop old "
-                    "experiments (`dvc exp remove`) and commits' outputs you no longer need, "
-                    "then run `eagle3pipe gc`", r["store"], human(r["bytes_after"]),
-                    human(limit), source)
-    return r
-
-
-# ---------------------------------------------------------------------------------------------
-# Garbage collection: keep what any committed dvc.lock or DVC experiment refers to
-
-# the store keys each data stage's published output lists: (output dir, file, JSON path)
-KEYS_IN_OUTPUT = {"dataset": ("artifacts/dataset", "store_keys.json", ()),
-                  "hidden": ("artifacts/hidden", "manifest.json", ("store_keys",))}
-
-
-def _keys_of(doc: Any, path: tuple[str, ...]) -> set[str]:
-    for p in path:
-        doc = doc.get(p, {}) if isinstance(doc, dict) else {}
-    if isinstance(doc, dict):  # {split: [keys]}
-        return {k for ks in doc.values() for k in ks}
-    return set(doc or ())
-
-
-def referenced(repo: Path) -> dict[str, set[str]]:
-    """kind -> the store keys that the workspace's outputs, or the outputs recorded in any
-    dvc.lock reachable from a git ref (branches, tags, DVC experiments under refs/exps), list;
-    read from DVC's cache (.dvc/cache/files/md5), what `dvc checkout` would restore."""
-    import subprocess
-
-    from ruamel.yaml import YAML
-
-    repo = Path(repo)
-    keep: dict[str, set[str]] = {kind: set() for kind in KINDS}
-    for kind, (out, name, path) in KEYS_IN_OUTPUT.items():
-        f = repo / out / name
-        if f.is_file():
-            keep[kind] |= _keys_of(json.loads(f.read_text()), path)
-    git = ["git", "-C", str(repo)]
-    commits = subprocess.run([*git, "rev-list", "--all", "--", "dvc.lock"], capture_output=True,
-                             text=True).stdout.split()
-    blobs = {subprocess.run([*git, "rev-parse", f"{c}:dvc.lock"], capture_output=True,
-                            text=True).stdout.strip() for c in commits}
-    cache = repo / ".dvc/cache/files/md5"
-    for blob in sorted(b for b in blobs if b):
-        text = subprocess.run([*git, "cat-file", "blob", blob], capture_output=True,
-                              text=True).stdout
-        outs = {o["path"]: o.get("md5") for st in (YAML(typ="safe").load(text) or {}).get(
-            "stages", {}).values() for o in st.get("outs", [])}
-        for kind, (out, name, path) in KEYS_IN_OUTPUT.items():
-            md5 = outs.get(out)
-            listing = cache / md5[:2] / md5[2:] if md5 else None
-            if not listing or not listing.is_file():
-                continue
-            entry = next((e["md5"] for e in json.loads(listing.read_text())
-                          if e["relpath"] == name), None)
-            f = cache / entry[:2] / entry[2:] if entry else None
-            if f and f.is_file():
-                keep[kind] |= _keys_of(json.loads(f.read_text()), path)
-    return keep
-
-
-def _tree_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() \
-        else p.stat().st_size
-
-
-def dead_claims(base: Path | None = None) -> list[Path]:
-    """The claims (Store.claim) whose writers are dead: no one computes those entries."""
-    found = []
-    for kind in KINDS:
-        for p in sorted(Store(kind, base).dir.glob(f"??/.*{CLAIM}")):
-            try:
-                tag = p.read_text()
-            except FileNotFoundError:
-                continue
-            if tag and not writer_alive(tag):
-                found.append(p)
-    return found
-
-
-def leftovers(base: Path, *, dry_run: bool = False) -> tuple[list[Path], int]:
-    """Removes (unless dry_run) and returns, with their bytes, the temporaries dead writers on
-    this host left in the store (runtime.atomic.dead_writers), dead runs' leases and claims."""
-    left = dead_writers(base) + leases.dead(base) + dead_claims(base) if base.is_dir() else []
-    left_bytes = sum(_tree_bytes(p) for p in left)
-    if not dry_run:
-        for p in left:
-            remove(p)
-    return left, left_bytes
-
-
-def gc(repo: Path, max_bytes: int | None, *, dry_run: bool = False, base: Path | None = None
-       ) -> dict:
-    """Removes store entries no committed dvc.lock, experiment, workspace output or live lease
-    (eagle3pipe.data.leases) refers to, oldest first, until the store holds at most max_bytes
-    (None: every unreferenced entry), and the temporaries dead writers on this host left in it
-    (runtime.atomic.dead_writers) and dead runs' leases. Referenced and leased entries are never
-    removed; the report says when they alone exceed the bound."""
-    keep = referenced(repo)
-    held = leases.held(base or root())
-    for kind in KINDS:
-        keep[kind] |= held.get(kind, set())
-    entries = [(p.stat().st_mtime, p, kind, p.stat().st_size) for kind in KINDS
-               for p in Store(kind, base).entries()]
-    total = sum(e[3] for e in entries)
-    removed = freed = 0
-    for _, p, kind, size in sorted(entries, key=lambda e: (e[0], str(e[1]))):
-        if max_bytes is not None and total - freed <= max_bytes:
-            break
-        if p.name[:-len(KINDS[kind])] in keep[kind]:
-            continue
-        if not dry_run:
-            p.unlink()
-        removed, freed = removed + 1, freed + size
-    kept_bytes = total - freed
-    left, left_bytes = leftovers(base or root(), dry_run=dry_run)
-    return {"store": str((base or root())), "entries": len(entries), "bytes": total,
-            "removed": removed, "freed_bytes": freed, "bytes_after": kept_bytes,
-            "leftovers_removed": len(left), "leftovers_bytes": left_bytes,
-            "referenced": sum(map(len, keep.values())),
-            "over_bound": max_bytes is not None and kept_bytes > max_bytes}

@@ -180,11 +180,11 @@ def engine(settings: dict[str, Any], model_dir: str | Path, *,
         yield llm
 
 
-def finished(llm, prompts: list[list[int]], sampling) -> Iterator[tuple[int, Any]]:
-    """(index into `prompts`, vLLM's RequestOutput) of each prompt as its generation finishes:
-    all are enqueued at once (LLM.enqueue) and the engine is stepped as LLM.generate steps it
-    (vllm/entrypoints/common/offline.py: _run_engine), so vLLM's scheduler batches as many as
-    it runs at once (max_num_seqs) and a caller keeps each result the moment it exists.
+def finished(llm, prompts: list[list[int]], sampling) -> Iterator[list[tuple[int, Any]]]:
+    """The prompts each engine step finished, as (index into `prompts`, vLLM's RequestOutput)
+    lists: all are enqueued at once (LLM.enqueue) and the engine is stepped as LLM.generate
+    steps it (vllm/entrypoints/common/offline.py: _run_engine), so vLLM's scheduler batches as
+    many as it runs at once (max_num_seqs) and a caller keeps each result the step it exists.
     Prompts are matched by their token ids: they must be distinct."""
     from vllm.inputs import TokensPrompt
 
@@ -195,9 +195,10 @@ def finished(llm, prompts: list[list[int]], sampling) -> Iterator[tuple[int, Any
                 use_tqdm=False)
     engine_ = llm.llm_engine
     while engine_.has_unfinished_requests():
-        for out in engine_.step():
-            if out.finished:
-                yield index[tuple(out.prompt_token_ids)], out
+        done = [(index[tuple(out.prompt_token_ids)], out) for out in engine_.step()
+                if out.finished]
+        if done:
+            yield done
 
 
 class Engines:

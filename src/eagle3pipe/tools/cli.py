@@ -127,9 +127,9 @@ def _size(text: str) -> int:
 
 
 def cmd_gc(args) -> int:
-    from eagle3pipe.data import store
+    from eagle3pipe.data import gc
 
-    r = store.gc(Path(args.repo), args.max_bytes, dry_run=args.dry_run)
+    r = gc.gc(Path(args.repo), args.max_bytes, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     print(f"store {r['store']}: {r['entries']} entries, {r['bytes']:,} bytes; {verb} "
           f"{r['removed']} unreferenced ({r['freed_bytes']:,} bytes); {r['bytes_after']:,} "

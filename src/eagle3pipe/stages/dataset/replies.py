@@ -1,5 +1,6 @@
 """The verifier's greedy replies (vLLM) to chat-templated prompts, kept in the per-sample store
-(eagle3pipe.data.store) under a key of what determines each reply. One engine serves a whole
+(eagle3pipe.data.store; the dataset kind's database: eagle3pipe.data.store_db) under a key of
+what determines each reply. One engine serves a whole
 stage run: it starts at the first reply the store lacks and stays up for every later call (the
 turn depths of a conversation source); no engine starts when the store has every reply.
 """
@@ -12,8 +13,8 @@ from typing import Any
 from tqdm import tqdm
 
 from eagle3pipe.data import store
-from eagle3pipe.data.store_writer import Writer
 from eagle3pipe.data.prompts import Prompt
+from eagle3pipe.data.store_db import Table
 from eagle3pipe.engines import engine
 from eagle3pipe.verifier.handle import Verifier
 
@@ -38,7 +39,7 @@ class Replies:
         self.computed = 0
         self.timing = {"import_s": 0.0, "engine_start_s": 0.0, "generate_s": 0.0}
         self._stack = contextlib.ExitStack()
-        self.store: Writer | store.Store = store.Store("dataset")
+        self.store = self._stack.enter_context(Table(store.root()))
         self._llm = None
         self._sampling = None
 
@@ -49,12 +50,6 @@ class Replies:
         self._stack.__exit__(*exc)
         self._llm = None
 
-    def flush(self) -> None:
-        """Waits until every reply generated so far is in the store (before an output that
-        lists their keys is published)."""
-        if isinstance(self.store, Writer):
-            self.store.flush()
-
     def _engine(self):
         """The vLLM engine, started at the first call."""
         if self._llm is None:
@@ -63,9 +58,6 @@ class Replies:
             from vllm import SamplingParams
 
             t1 = time.perf_counter()
-            # replies are written beside the engine (store_writer), every one by the block's
-            # end or flush(); it is shut down after the engine (the stack's order)
-            self.store = self._stack.enter_context(Writer(self.store))
             self._llm = self._stack.enter_context(
                 engine.engine(self.settings, self.v.model_dir, tokenizer=self.v.dir))
             self._sampling = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
@@ -79,10 +71,10 @@ class Replies:
         """(token ids, finish reasons) of the replies to `prompts`, whose store keys are `keys`
         (reply_keys). Token ids are exactly what the verifier produced, ending with its stop
         token if it stopped. The replies the store lacks go to the engine dataset.batch_size
-        at a time (engine.finished: vLLM batches as many as it runs at once) and each is handed
-        to the store the moment it finishes (written beside the engine: store_writer), so a
-        crash loses only the replies in flight or waiting to be written (a repeated key is
-        generated once); the others are read from the store."""
+        at a time (engine.finished: vLLM batches as many as it runs at once) and the replies
+        each engine step finished are stored at once, in one transaction, so a crash loses
+        only the replies in flight (a repeated key is generated once); the others are read
+        from the store."""
         todo = list({k: i for i, k in enumerate(keys) if not self.store.has(k)}.values())
         fresh: dict[str, dict] = {}
         if todo:
@@ -91,13 +83,14 @@ class Replies:
             bar = tqdm(total=len(todo), unit="prompt", desc=desc, disable=not self.progress)
             for c in range(0, len(todo), self.cfg.batch_size):
                 chunk = todo[c:c + self.cfg.batch_size]
-                for j, out in engine.finished(llm, [prompts[i].ids for i in chunk],
-                                              self._sampling):
-                    k = keys[chunk[j]]
-                    fresh[k] = {"reply": list(out.outputs[0].token_ids),
-                                "finish": str(out.outputs[0].finish_reason)}
-                    self.store.put_json(k, fresh[k])
-                    bar.update(1)
+                for step in engine.finished(llm, [prompts[i].ids for i in chunk],
+                                            self._sampling):
+                    done = [(keys[chunk[j]], {"reply": list(out.outputs[0].token_ids),
+                                              "finish": str(out.outputs[0].finish_reason)})
+                            for j, out in step]
+                    self.store.put_many((k, store.json_entry(obj)) for k, obj in done)
+                    fresh.update(done)
+                    bar.update(len(done))
             bar.close()
             self.timing["generate_s"] = round(self.timing["generate_s"]
                                               + time.perf_counter() - t0, 3)

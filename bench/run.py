@@ -35,13 +35,16 @@ MODES = {
                   train_packs=2, train_repeats=3, dvc_repeats=3,
                   scaling=dict(hiddens=(64, 128), seq_lens=(128, 512), vocab=512, tokens=2048,
                                batch_tokens=512, n_packs=2, repeats=2),
-                  conversations=dict(n=200, memory_sizes=[50, 200], repeats=2, max_repeats=3)),
+                  conversations=dict(n=200, memory_sizes=[50, 200], repeats=2, max_repeats=3,
+                                     batches=True)),
     "full": dict(extract_repeats=3, n_samples=256, len_range=(128, 384), train_batch_tokens=None,
                  train_packs=4, train_repeats=3, dvc_repeats=5,
                  scaling=dict(hiddens=(64, 128, 256), seq_lens=(128, 512), vocab=4096,
                               tokens=16384, batch_tokens=2048, n_packs=3, repeats=2),
-                 conversations=dict(n=10_000, memory_sizes=[1_000, 3_000, 10_000], repeats=2,
-                                    max_repeats=2)),
+                 # one round: a stage run on 10^4 conversations is ~5 min on the default
+                 # architecture (a 2-core AMD EPYC)
+                 conversations=dict(n=10_000, memory_sizes=[1_000, 3_000, 10_000], repeats=1,
+                                    max_repeats=1, batches=False)),
 }
 TARGETS = {
     "extract_vs_forward": (">=", 0.9),
@@ -188,7 +191,7 @@ def run_conversations(quick: bool, work: Path, out: dict) -> None:
     c = MODES["quick" if quick else "full"]["conversations"]
     out["conversations"] = conversations.measure(
         c["n"], c["memory_sizes"], work / "conversations", repeats=c["repeats"],
-        max_repeats=c["max_repeats"])
+        max_repeats=c["max_repeats"], batches=c["batches"])
 
 
 def run_scaling(quick: bool, work: Path, out: dict) -> None:

@@ -26,6 +26,15 @@ def test_the_source_is_seeded_multi_turn_and_unique(tmp_path):
     assert len({u[0] for u in users}) == 30  # no two conversations share a first prompt
 
 
+def test_the_speed_runs_use_the_default_params_replies_and_batches():
+    from helpers.pipeline import get_param
+
+    for key in ("max_new_tokens", "batch_size"):
+        assert conversations.STAGE[key] == get_param(ROOT, f"dataset.{key}"), key
+    assert conversations.STAGE["max_seq_len"] == conversations.STAGE["max_prompt_tokens"] + \
+        conversations.STAGE["max_new_tokens"] + 1
+
+
 def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 

@@ -13,7 +13,7 @@ from eagle3pipe.data.store import CLAIM, FILES, KINDS, Store, bound, root, table
 from eagle3pipe.runtime.atomic import dead_writers, remove, writer_alive
 from eagle3pipe.runtime.units import human
 
-log = logging.getLogger("eagle3pipe.data.store")
+log = logging.getLogger("eagle3pipe.data.gc")
 
 
 def enforce_bound(repo: Path = Path(".")) -> dict:

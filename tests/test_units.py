@@ -665,6 +665,22 @@ def test_a_held_lease_keeps_no_key_alive():
         assert leases.held(store.root()) == {"dataset": {"key"}}
 
 
+def test_leases_share_the_process_heartbeat_thread():
+    """A lease per batch and turn depth (the dataset stage's) starts no thread of its own: a
+    thread each grew the resident set with the number of batches."""
+    import contextlib
+
+    from eagle3pipe.data import leases
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(leases.hold(store.root(), {"dataset": ["k0"]}))
+        before = threading.active_count()
+        for i in range(1, 30):
+            stack.enter_context(leases.hold(store.root(), {"dataset": [f"k{i}"]}))
+        assert threading.active_count() == before
+        assert leases.held(store.root()) == {"dataset": {f"k{i}" for i in range(30)}}
+
+
 def test_the_ranks_of_one_run_share_their_entries_and_other_runs_leases_hold():
     from eagle3pipe.data import leases
 

@@ -4,7 +4,7 @@ run's bound and no other run's on-demand cleanup removes.
 A run that reads or writes store entries it has not published yet (the data stages until their
 output links them, an on-demand train stage while it trains) holds a lease: a JSON file under
 `<store>/leases/`, named for its writer (`<pid>-<host>.<random>.json`), listing the store keys
-by kind, whose mtime a heartbeat thread renews every HEARTBEAT_S. A lease is live while its
+by kind, whose mtime the process's heartbeat thread renews every HEARTBEAT_S. A lease is live while its
 heartbeat is younger than TTL_S and, on this host, while its process runs; a dead one (its run
 killed, its node gone) is a leftover that gc removes. The same idea as a distributed lock's
 lease (a TTL renewed by its holder), on the shared filesystem the store already needs.
@@ -29,13 +29,52 @@ TTL_S = 300.0
 _parsed: dict[Path, tuple] = {}  # path -> (inode, size, (run, keys))
 
 
+class _Heartbeat:
+    """One daemon thread per process renews the mtime of every lease the process holds, each at
+    its own interval: a data stage holds a lease per batch and turn depth until it publishes,
+    and a thread each (its stack, the C allocator's arena for it) grew the resident set with
+    the number of batches."""
+
+    def __init__(self):
+        self._due: dict[Path, tuple[float, float]] = {}  # path -> (interval, next beat)
+        self._cond = threading.Condition()
+        self._pid: int | None = None
+
+    def add(self, path: Path, every: float) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # first lease, or a forked child: a thread of its own
+                self._pid, self._due = os.getpid(), {}
+                threading.Thread(target=self._run, name="store-leases", daemon=True).start()
+            self._due[path] = (every, time.monotonic() + every)
+            self._cond.notify()
+
+    def remove(self, path: Path) -> None:
+        with self._cond:
+            self._due.pop(path, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for path, (every, at) in list(self._due.items()):
+                    if at <= now:
+                        with contextlib.suppress(OSError):
+                            os.utime(path)
+                        self._due[path] = (every, now + every)
+                nxt = min((at for _, at in self._due.values()), default=None)
+                self._cond.wait(None if nxt is None else max(0.0, nxt - time.monotonic()))
+
+
+_HEARTBEAT = _Heartbeat()
+
+
 class hold(contextlib.AbstractContextManager):
     """A live lease on `keys` (kind -> store keys) under the store root `base` for the block;
     `with` gives its path (what held(mine=...) leaves out, with every lease of the same `run`:
     the processes of one training run share its entries and their cleanup). Removed at the end
-    of the block. The lease keeps no key alive meanwhile (only its file lists them): a data
-    stage holds one lease per batch until its output is published, so what it keeps must not
-    grow with the data."""
+    of the block. The lease keeps no key alive meanwhile (only its file lists them) and starts
+    no thread (the process's one heartbeat renews it): a data stage holds one lease per batch
+    until its output is published, so what it keeps must not grow with the data."""
 
     def __init__(self, base: Path, keys: dict[str, Iterable[str]], *, run: str | None = None,
                  heartbeat: float = HEARTBEAT_S):
@@ -43,8 +82,6 @@ class hold(contextlib.AbstractContextManager):
         self._text: str | None = json.dumps(
             {"pid": os.getpid(), "writer": writer_tag(), "run": run,
              "keys": {kind: sorted(set(ks)) for kind, ks in keys.items()}}, sort_keys=True)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.path: Path | None = None
 
     def __enter__(self) -> Path:
@@ -55,19 +92,12 @@ class hold(contextlib.AbstractContextManager):
         path = self._dir / f"{writer_tag()}.{tmp.name.rsplit('.', 2)[1]}.json"  # mkstemp's part
         os.replace(tmp, path)
         self.path = path
-        self._thread = threading.Thread(target=self._beat, name="store-lease", daemon=True)
-        self._thread.start()
+        _HEARTBEAT.add(path, self._heartbeat)
         return path
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        _HEARTBEAT.remove(self.path)
         self.path.unlink(missing_ok=True)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._heartbeat):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
 
 
 def _leases(base: Path) -> list[Path]:

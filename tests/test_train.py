@@ -280,10 +280,10 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_torchrun_ddp_path(inputs, tmp_path):
     """The multi-process path (torchrun, DDP, sharded packs, all-reduced eval, rank-0 writes) on
-    CPU over gloo, as `dvc repro` launches it with train.nproc_per_node: 2; a rerun gives the
-    same weights, and a launch that disagrees with train.nproc_per_node is refused. Two
-    torchrun agents on localhost as two nodes (train.nnodes: 2, one process each) give the
-    same weights as the two processes on one node."""
+    CPU over gloo, as `dvc repro` launches it with train.nproc_per_node: 2; a launch that
+    disagrees with train.nproc_per_node is refused. Two torchrun agents on localhost as two
+    nodes (train.nnodes: 2, one process each), a second launch of the same world, give the
+    same weights as the two processes on one node (test_parallel.py reruns a launch as is)."""
     import os
     import shutil
     import signal
@@ -316,9 +316,6 @@ def test_torchrun_ddp_path(inputs, tmp_path):
     first = _tsv(tmp_path / "metrics" / "train" / "plots" / "metrics" / "eval" / "loss.tsv")[0][1]
     assert m["eval"]["loss"] < first
     first_weights = (tmp_path / "artifacts" / "train" / "model.safetensors").read_bytes()
-    r = torchrun(2)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert (tmp_path / "artifacts" / "train" / "model.safetensors").read_bytes() == first_weights
     r = torchrun(1)  # one process while params say two
     assert r.returncode != 0 and "train.nproc_per_node is 2" in r.stderr, r.stderr[-2000:]
 

@@ -30,10 +30,7 @@ byte, with nothing left beside them.
 Cost (3.2-3.7 min in the suite on a 2-core AMD EPYC): the uninterrupted reference runs stage by
 stage; before each of four segments a copy of it is the repo in which that segment's stages are
 killed, so the four kill chains run beside each other and the reference, with FAULT_PARAMS (one
-thread a process, a smaller smoke stage) for runs that share two cores. The smoke chain starts
-last, once the reference has run every other stage, and is the longest: the reference and it
-are the run's critical path, so every other chain and the full-disk run take the CPU they
-leave (NICE).
+thread a process, a smaller smoke stage) for runs that share two cores.
 """
 from __future__ import annotations
 
@@ -85,9 +82,6 @@ FAULT_PARAMS = {"vllm.cpu_omp_threads_bind": "nobind", "verifier.embedded.thread
                 "extract.threads": 1, "train.threads": 1, "smoke.threads": 1,
                 "verifier.embedded.train_steps": 10, "smoke.num_prompts": 1, "smoke.max_tokens": 8,
                 "smoke.k_sweep": [3], "smoke.timing_rounds": 1}
-# nice(1) of the runs off the critical path (the kill chains before smoke's, the full disk):
-# they use what the reference and the smoke chain leave of the two cores
-NICE = 10
 PLAN_FITS = "EAGLE3PIPE_FREE_BYTES"  # eagle3pipe.tools.plan's stand-in for the measured free disk
 PROBE = "smoke"  # a second `dvc repro` starts while this stage's last run is inside its command
 # what a copy of a repo leaves out: the per-sample store of the data stages (eagle3pipe.data.store),
@@ -136,7 +130,7 @@ def _lock_state(repo: Path) -> tuple[int, bytes] | None:
 
 
 def kill_at(repo: Path, stage: str, point: str, delay: float = START_DELAY,
-            forced: bool = False, nice: int = 0) -> dict:
+            forced: bool = False) -> dict:
     """One `dvc repro <stage>` killed (its whole process group) at `point`, `delay` seconds
     after DVC started the stage's command (`publish`: once it holds); what it left.
 
@@ -152,7 +146,7 @@ def kill_at(repo: Path, stage: str, point: str, delay: float = START_DELAY,
     if point == "publish":
         extra |= fault_hold(repo / "src", repo / HOLD[stage], held)
     cmd = ("dvc", "repro", *RUN, *(("-f", "-s") if forced else ()), stage)
-    proc = start(repo, *cmd, env_extra=extra, log=log, nice=nice)
+    proc = start(repo, *cmd, env_extra=extra, log=log)
     try:
         t0 = wait_for(f"{stage} started", _stage_started(log), timeout=TIMEOUT, proc=proc,
                       log=log)
@@ -173,14 +167,13 @@ def kill_at(repo: Path, stage: str, point: str, delay: float = START_DELAY,
             "outputs": digests(repo, outs), "leftovers": leftovers(repo, outs), "log": str(log)}
 
 
-def finish(repo: Path, stage: str, probe: bool = False, forced: bool = False,
-           nice: int = 0) -> dict:
+def finish(repo: Path, stage: str, probe: bool = False, forced: bool = False) -> dict:
     """`dvc repro <stage>` to the end; with `probe`, a second `dvc repro` of the whole pipeline
     in the same repo while the first is inside the stage's command."""
     tag = uuid.uuid4().hex
     log = repo.parent / f"{repo.name}.{stage}.final.log"
     cmd = ("dvc", "repro", *RUN, *(("-f", "-s") if forced else ()), stage)
-    proc = start(repo, *cmd, env_extra={FAULT_TAG: tag}, log=log, nice=nice)
+    proc = start(repo, *cmd, env_extra={FAULT_TAG: tag}, log=log)
     second = None
     try:
         if probe:
@@ -235,9 +228,9 @@ class Reference:
 
 
 def kill_chain(repo: Path, stages: tuple[str, ...], ref: Reference,
-               probe: str | None = None, nice: int = 0) -> dict:
+               probe: str | None = None) -> dict:
     """Each stage in turn: killed at every point, then run to the end (for the stage `probe`
-    with a second `dvc repro` at once), every run at `nice`."""
+    with a second `dvc repro` at once)."""
     kills, finals, t0 = [], {}, time.monotonic()
     for stage in stages:
         # once a run of the stage has completed (DVC recorded it in dvc.lock), DVC holds it up
@@ -246,17 +239,16 @@ def kill_chain(repo: Path, stages: tuple[str, ...], ref: Reference,
         for point in POINTS:
             if point == "mid":
                 for attempt, fraction in enumerate(MID_FRACTIONS):
-                    rec = kill_at(repo, stage, point, fraction * ref.cpu_of(stage), forced,
-                                  nice)
+                    rec = kill_at(repo, stage, point, fraction * ref.cpu_of(stage), forced)
                     forced = forced or rec["completed"]
                     if rec["running"]:
                         break
                 rec["attempts"] = attempt + 1
             else:
-                rec = kill_at(repo, stage, point, forced=forced, nice=nice)
+                rec = kill_at(repo, stage, point, forced=forced)
                 forced = forced or rec["completed"]
             kills.append(rec)
-        finals[stage] = finish(repo, stage, probe=stage == probe, forced=forced, nice=nice)
+        finals[stage] = finish(repo, stage, probe=stage == probe, forced=forced)
     return {"kills": kills, "finals": finals, "seconds": round(time.monotonic() - t0)}
 
 
@@ -288,8 +280,7 @@ def full_disk_extract(repo: Path) -> dict:
         dvc repro -f -s extract > {out}/room.log 2>&1; echo $? > {out}/rc2
         cp -a artifacts/hidden {out}/hidden && cp metrics/extract.json {out}/extract.json
     """
-    r = subprocess.run(["nice", "-n", str(NICE), "unshare", "-Urm", "sh", "-c", script],
-                       cwd=repo, env=env(repo),
+    r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=repo, env=env(repo),
                        capture_output=True, text=True, timeout=2 * TIMEOUT)
     assert r.returncode == 0, f"namespace script failed ({r.returncode}): {r.stderr[-3000:]}"
     read = lambda name: (out / name).read_text()  # noqa: E731
@@ -333,8 +324,7 @@ def faults(tmp_path_factory):
             repo = base / f"chain{i}"
             shutil.copytree(ref, repo, symlinks=True, ignore=NOT_COPIED)
             chains.append(pool.submit(kill_chain, repo, seg, timing,
-                                      probe=PROBE if PROBE in seg else None,
-                                      nice=0 if seg is SEGMENTS[-1] else NICE))
+                                      probe=PROBE if PROBE in seg else None))
             for stage in seg:
                 timing.run(stage)
             if "extract" in seg and UNSHARE:

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -78,14 +77,11 @@ def repro(repo: Path, *args: str) -> set[str]:
     return ran(repo)
 
 
-def start_repro(repo: Path, *args: str, base_env: dict | None = None,
-                nice: int = 0) -> subprocess.Popen:
-    """`dvc repro` in the background (Background runs it), output to <repo>.repro.log, at
-    `nice` (nice(1))."""
+def start_repro(repo: Path, *args: str, base_env: dict | None = None) -> subprocess.Popen:
+    """`dvc repro` in the background (Background runs it), output to <repo>.repro.log."""
     (repo / ".runlog").unlink(missing_ok=True)
-    cmd = ["nice", "-n", str(nice)] * bool(nice) + ["dvc", "repro", *args]
     with open(repo.parent / f"{repo.name}.repro.log", "w") as out:
-        return subprocess.Popen(cmd, cwd=repo, env=env(repo, base_env),
+        return subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=env(repo, base_env),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -188,13 +184,11 @@ def fault_hold(src: Path, target: Path | str, held: Path, release: Path | None =
 
 
 def start(repo: Path, *cmd: str, env_extra: dict | None = None,
-          log: Path | None = None, nice: int = 0) -> subprocess.Popen:
+          log: Path | None = None) -> subprocess.Popen:
     """`cmd` in `repo` in the background, in a process group of its own (as start_repro), with
-    the tests' environment plus `env_extra`, output to `log` (default <repo>.repro.log), at
-    `nice` (nice(1): it execs the command, whose pid and process group stay the Popen's)."""
+    the tests' environment plus `env_extra`, output to `log` (default <repo>.repro.log)."""
     (repo / ".runlog").unlink(missing_ok=True)
     log = log or repo.parent / f"{repo.name}.repro.log"
-    cmd = ("nice", "-n", str(nice), *cmd) if nice else cmd
     with open(log, "w") as out:
         return subprocess.Popen(list(cmd), cwd=repo, env={**env(repo), **(env_extra or {})},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -302,6 +296,8 @@ class _Thread:
     """A Call running in a thread of its own, polled like a process."""
 
     def __init__(self, call: Call, base_env: dict):
+        import threading
+
         self.value, self.log, self.rc = None, "", None
         self.thread = threading.Thread(target=self._run, args=(call, base_env), daemon=True,
                                        name=f"background-{call.after}-copy")
@@ -309,8 +305,6 @@ class _Thread:
 
     def _run(self, call: Call, base_env: dict) -> None:
         BASE_ENV.set(base_env)
-        # Linux: a thread's nice value is its own, and the processes it starts inherit it
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), Background.NICE)
         try:
             self.value, self.rc = call.fn(call.copy), 0
         except BaseException:  # noqa: BLE001 - handed to the test that reads it
@@ -326,14 +320,12 @@ class Background:
     tests that read them: the suite's single-process tests leave one of the two cores idle,
     and a job started early fills it. A job is a repo (`dvc repro`), (repo, dvc repro's
     arguments), a Call or a Variant. `wait(name)` waits for one job and returns it (a Run),
-    letting `busy_width` run at once meanwhile (the waiting test leaves its core idle). The
-    jobs run at NICE: they take the CPU the tests leave (a test that uses both cores, such as
-    the fault runs, keeps them), and all of it while a test waits for them."""
-
-    NICE = 10
+    letting `busy_width` run at once meanwhile (the waiting test leaves its core idle)."""
 
     def __init__(self, jobs: dict[str, Path | tuple[Path, tuple[str, ...]] | Call | Variant],
                  width: int = 1, busy_width: int = 2):
+        import threading
+
         self.todo = [(n, j if isinstance(j, tuple) else (j, ())) for n, j in jobs.items()]
         self.width, self.busy_width, self.out = width, busy_width, {}
         # the environment as it is now: not what a test running meanwhile monkeypatches
@@ -352,7 +344,7 @@ class Background:
         if isinstance(job, Call):
             return job.copy, _Thread(job, self.env)
         repo, args = (job.copy, job.args) if isinstance(job, Variant) else job
-        return repo, start_repro(repo, *args, base_env=self.env, nice=self.NICE)
+        return repo, start_repro(repo, *args, base_env=self.env)
 
     def _loop(self) -> None:
         import time

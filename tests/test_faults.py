@@ -27,10 +27,11 @@ but that stage. A last `dvc repro --no-run-cache <stage>` then executes it again
 changed: it trusts nothing a kill left) and its outputs equal the uninterrupted run's, byte for
 byte, with nothing left beside them.
 
-Cost (3.2-3.7 min in the suite on a 2-core AMD EPYC): the uninterrupted reference runs stage by
-stage; before each of four segments a copy of it is the repo in which that segment's stages are
-killed, so the four kill chains run beside each other and the reference, with FAULT_PARAMS (one
-thread a process, a smaller smoke stage) for runs that share two cores.
+Cost (about 4 min in the suite on a 2-core AMD EPYC, beside the TP-2 background run): the
+uninterrupted reference runs stage by stage; before each of four segments a copy of it is the
+repo in which that segment's stages are killed, so the four kill chains run beside each other
+and the reference, with FAULT_PARAMS (one thread a process, a smaller smoke stage) for runs that
+share two cores.
 """
 from __future__ import annotations
 

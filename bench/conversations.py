@@ -319,7 +319,7 @@ def measure_speed(llm, vdir: Path, n: int, work: Path, repeats: int = 2,
 # Memory
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     return next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines()
                 if x.startswith(field + ":"))
 
@@ -338,9 +338,9 @@ def rss_peak(into: dict, key: str):
         ok = True
     except OSError:
         ok = False
-    base = _status_kb("VmRSS")
+    base = status_kb("VmRSS")
     yield
-    into[key] = rnd((_status_kb("VmHWM") - base) / 1024) if ok else None
+    into[key] = rnd((status_kb("VmHWM") - base) / 1024) if ok else None
     into.setdefault("rss_before_mb", rnd(base / 1024))
 
 

@@ -43,10 +43,8 @@ M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def _mb(field: str) -> float:
-    """A /proc/self/status field (kB) in MB."""
-    kb = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines()
-              if x.startswith(field + ":"))
-    return round(kb / 1024, 1)
+    """A /proc/self/status field in MB."""
+    return round(bench.status_kb(field) / 1024, 1)
 
 
 class Sampler:
